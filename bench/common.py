@@ -1,0 +1,173 @@
+"""Shared benchmark plumbing: CLI flags, tables, targets, JSON, and docs/RESULTS.md.
+
+Every benchmark is `python -m bench.NAME [--quick] [--json PATH] [--no-results]`.
+It builds rows (dicts), computes each target from those rows, prints a table and
+rewrites its own section of docs/RESULTS.md (between markers), so the file always
+holds the latest run of each benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "RESULTS.md"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target named by an issue, checked against a value measured in the same run."""
+
+    name: str
+    value: float
+    target: float
+    higher_is_better: bool = True
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "value": self.value, "target": self.target, "met": self.met}
+
+
+def parser(name: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=description)
+    p.add_argument("--quick", action="store_true", help="small sizes; about a minute on 2 cores")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and targets as JSON here")
+    p.add_argument(
+        "--no-results", action="store_true", help="do not rewrite this benchmark's section of docs/RESULTS.md"
+    )
+    return p
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        if value != value:
+            return "n/a"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    if value is None:
+        return "—"
+    return str(value)
+
+
+def table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Markdown table of rows (dicts); columns default to the first row's keys."""
+    if not rows:
+        return "(no rows)\n"
+    columns = columns or list(rows[0].keys())
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(c)) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def targets_table(targets: list[Target]) -> str:
+    rows = [
+        {
+            "target": t.name,
+            "measured": t.value,
+            "goal": (">= " if t.higher_is_better else "<= ") + fmt(t.target),
+            "met": "yes" if t.met else f"**no** ({_miss(t)})",
+        }
+        for t in targets
+    ]
+    return table(rows)
+
+
+def _miss(t: Target) -> str:
+    if t.target == 0:
+        return "missed"
+    ratio = t.value / t.target
+    return f"{ratio:.2f}x of goal"
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def finish(
+    name: str,
+    args: argparse.Namespace,
+    rows: list[dict],
+    targets: list[Target],
+    *,
+    title: str,
+    notes: str = "",
+    columns: list[str] | None = None,
+    extra: str = "",
+) -> dict:
+    """Print the table, write JSON and the RESULTS.md section; return the JSON document."""
+    doc = {
+        "bench": name,
+        "quick": bool(args.quick),
+        "rows": rows,
+        "targets": [t.as_dict() for t in targets],
+    }
+    body = table(rows, columns)
+    print(body)
+    if targets:
+        print(targets_table(targets))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
+    if not args.no_results:
+        stamp = time.strftime("%Y-%m-%d %H:%M")
+        section = (
+            f"## {title}\n\n`python -m bench.{name}{' --quick' if args.quick else ''}` "
+            f"— {stamp}, {machine()}\n\n{notes.strip()}\n\n{body}\n"
+        )
+        if targets:
+            section += "Targets (computed from the rows above, same run):\n\n" + targets_table(targets) + "\n"
+        if extra:
+            section += extra.strip() + "\n\n"
+        write_section(name, section)
+    return doc
+
+
+def write_section(name: str, section: str) -> None:
+    """Replace (or append) the section of docs/RESULTS.md between this benchmark's markers."""
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    text = RESULTS.read_text() if RESULTS.exists() else _results_header()
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(RESULTS)
+
+
+def _results_header() -> str:
+    return (
+        "# Results\n\nGenerated by the benchmarks in `bench/` (`make bench`); each section is rewritten by\n"
+        "its benchmark's latest run. Ratios are measured side by side in one run; absolute times on\n"
+        "these 2-core machines are noisy.\n"
+    )
+
+
+def timer() -> float:
+    return time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

