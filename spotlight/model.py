@@ -1,0 +1,244 @@
+"""Compact Llama-family decoder (Llama, Qwen2, Mistral) that loads Hugging Face weights.
+
+Shape legend: T new tokens, N cached tokens (including the T being written), E hidden
+size, F MLP width, H query heads, Hkv KV heads, G = H / Hkv, D head dim, V vocabulary.
+Batch size is 1 throughout: one conversation per forward.
+
+Prefill chunks (T > 1) always use dense causal attention over the cache. A decode step
+(T = 1) hands attention to the `DecodePolicy` (dense or Spotlight, see attention.py),
+which also sees every key as it enters the cache (to compute its code once).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalise in fp32 and cast back before the weight, exactly as transformers does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (D/2,) including the config's rope scaling."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling: RopeScaling = args.rope_scaling
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(inv_freq: torch.Tensor, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables (n_positions, D) in fp32."""
+    positions = torch.arange(n_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # (P, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (heads, T, D); cos, sin: (T, D). Rotate-half convention of Hugging Face Llama."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (heads, T, D)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Post-RoPE q (H, T, D), k (Hkv, T, D) and v (Hkv, T, D) of the new tokens x (T, E)."""
+        T = x.shape[0]
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split((H * D, Hkv * D, Hkv * D), dim=-1)  # (T, H*D), (T, Hkv*D) x2
+        q = q.view(T, H, D).transpose(0, 1)  # (H, T, D)
+        k = k.view(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
+        v = v.view(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cache, policy) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
+        cache.write(self.layer, k, v)
+        policy.keys_added(self.layer, k, cache)
+        if T == 1:
+            out = policy.decode(self.layer, q, cache)  # (H, 1, D)
+        else:
+            out = causal_attention(q, cache.keys(self.layer, T), cache.values(self.layer, T))  # (H, T, D)
+        return self.wo(out.transpose(0, 1).reshape(T, -1))  # (T, E)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (H, T, D) for the last T of N positions; k, v (Hkv, N, D). Returns (H, T, D)."""
+    T, N = q.shape[1], k.shape[1]
+    past = N - T
+    if past == 0:
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
+    else:
+        rows = torch.arange(T).unsqueeze(1) + past  # (T, 1): absolute position of each query
+        mask = torch.arange(N).unsqueeze(0) <= rows  # (T, N)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
+    return out[0]  # (H, T, D)
+
+
+def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query step. q (H, 1, D); k, v (Hkv, N, D). Returns (H, 1, D).
+
+    The G query heads of a KV head become G "query rows" of that head, so no key is
+    copied G times (no repeat_kv) and no mask is needed (every cached key is visible).
+    """
+    H, _, D = q.shape
+    Hkv = k.shape[0]
+    out = F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k[None], v[None])  # (1, Hkv, G, D)
+    return out.view(H, 1, D)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.width = args.intermediate_size
+        self.w_gate_up = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.w_down = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.width, dim=-1)  # (T, F) x2
+        return self.w_down(F.silu(gate) * up)  # (T, E)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, cache, policy) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, policy)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder. `forward` appends T tokens to `cache` and returns logits."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.inv_freq = rope_inv_freq(args)  # (D/2,) fp32; a plain attribute so .to(dtype) keeps it fp32
+        self.rope_cos = self.rope_sin = None
+
+    def setup_rope(self, n_positions: int) -> None:
+        """Precompute cos/sin for positions [0, n_positions); called when the cache grows."""
+        if self.rope_cos is None or self.rope_cos.shape[0] < n_positions:
+            cos, sin = rope_table(self.inv_freq.float().cpu(), n_positions)
+            dtype, device = self.tok_embeddings.weight.dtype, self.tok_embeddings.weight.device
+            self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
+
+    def forward(self, tokens: torch.Tensor, cache, policy, *, all_logits: bool = False) -> torch.Tensor:
+        """tokens (T,) int64 at positions [cache.length, cache.length + T).
+
+        Returns logits (V,) of the last position, or (T, V) with `all_logits`.
+        """
+        T = tokens.shape[0]
+        start = cache.length
+        cache.reserve(start + T)
+        self.setup_rope(cache.capacity)
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, D)
+        x = self.tok_embeddings(tokens)  # (T, E)
+        for block in self.layers:
+            x = block(x, cos, sin, cache, policy)
+        cache.advance(T)
+        x = x if all_logits else x[-1:]
+        logits = self.output(self.norm(x))  # (T or 1, V)
+        return logits if all_logits else logits[0]
+
+
+def remap_hf_state(state: dict, args: ModelArgs) -> dict:
+    """Rename Hugging Face Llama/Qwen2/Mistral weights to ours, fusing qkv and gate/up."""
+    out = {
+        "tok_embeddings.weight": state["model.embed_tokens.weight"],
+        "norm.weight": state["model.norm.weight"],
+    }
+    if not args.tie_embeddings:
+        out["output.weight"] = state["lm_head.weight"]
+    for i in range(args.n_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        out[ours + "attention_norm.weight"] = state[hf + "input_layernorm.weight"]
+        out[ours + "ffn_norm.weight"] = state[hf + "post_attention_layernorm.weight"]
+        out[ours + "attention.wqkv.weight"] = torch.cat([state[f"{attn}{p}_proj.weight"] for p in "qkv"])
+        if args.qkv_bias:
+            out[ours + "attention.wqkv.bias"] = torch.cat([state[f"{attn}{p}_proj.bias"] for p in "qkv"])
+        out[ours + "attention.wo.weight"] = state[attn + "o_proj.weight"]
+        if args.o_bias:
+            out[ours + "attention.wo.bias"] = state[attn + "o_proj.bias"]
+        mlp = hf + "mlp."
+        out[ours + "feed_forward.w_gate_up.weight"] = torch.cat(
+            [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]
+        )
+        out[ours + "feed_forward.w_down.weight"] = state[mlp + "down_proj.weight"]
+        if args.mlp_bias:
+            out[ours + "feed_forward.w_gate_up.bias"] = torch.cat(
+                [state[mlp + "gate_proj.bias"], state[mlp + "up_proj.bias"]]
+            )
+            out[ours + "feed_forward.w_down.bias"] = state[mlp + "down_proj.bias"]
+    return out
+
+
+def build_model(args: ModelArgs, hf_state: dict, *, dtype=torch.float32, device="cpu") -> Transformer:
+    """Instantiate without random init, load the remapped weights, switch to eval mode."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device)
+    state = remap_hf_state(hf_state, args)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (args.tie_embeddings and m == "output.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.inv_freq = rope_inv_freq(args)
+    return model.to(dtype=dtype).eval().requires_grad_(False)
