@@ -1,0 +1,327 @@
+"""The store's schema: an ordered list of migrations, and the records its rows become.
+
+`memory/store.py` registers these functions, in this order, in `Migrations("kvstore")`
+(sqlite-utils records each applied one in `_sqlite_migrations`) and keeps
+`PRAGMA user_version` equal to the number applied. Rules:
+
+- Never edit or reorder a released migration; append a new one.
+- Each function receives a sqlite-utils `Database` and runs inside one transaction.
+- A database that has applied a migration this list does not know was written by a
+  newer Spotlight Chat: the store refuses it (`SchemaTooNew`) before touching it.
+
+This module does not import sqlite_utils (only store.py does); it only calls methods
+on the `db` it is given.
+
+Tables (ids are uuid4 hex strings unless noted; times are seconds since the epoch;
+JSON columns hold objects):
+
+    sessions          id, title, created, updated, system_prompt, settings JSON, active_leaf_id
+    messages          id, session_id, parent_id (NULL for a root), role, content, created,
+                      n_tokens, metadata JSON. Never updated except metadata: an edit or a
+                      regeneration is a new sibling (same parent).
+    documents         id, name, sha256 (unique: content-addressed), text, n_chars, pages,
+                      n_tokens, metadata JSON, created
+    segments          id (integer), document_id, ordinal, char_start, char_end, page,
+                      heading, n_tokens
+    session_documents session_id, document_id, ordinal, added
+    prefixes          hash (sha256 of token ids + fingerprints), model_fp, encoder_fp,
+                      n_tokens, complete, created
+    session_prefixes  session_id, prefix_hash, linked: which sessions use a cached prefix
+    spans             id, state ('ready' | 'evicted'), file (NULL unless ready), owner
+                      ('prefix' | 'message'), prefix_hash | message_id (+ session_id),
+                      ordinal, segment_id, model_fp, encoder_fp, dtype, n_tokens,
+                      start_pos, tokens_sha256, bytes, checksum, created, last_used
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import NewType
+
+from memory.blobs import PrefixHash, SpanId
+
+SessionId = NewType("SessionId", str)
+MessageId = NewType("MessageId", str)
+DocumentId = NewType("DocumentId", str)
+SegmentId = NewType("SegmentId", int)
+
+
+def m001_core_tables(db) -> None:
+    """Sessions, branch-aware messages, documents and segments, cached prefixes and spans."""
+    db["sessions"].create(
+        {
+            "id": str,
+            "title": str,
+            "created": float,
+            "updated": float,
+            "system_prompt": str,
+            "settings": str,
+            "active_leaf_id": str,
+        },
+        pk="id",
+        not_null={"title", "created", "updated", "system_prompt", "settings"},
+    )
+    db["messages"].create(
+        {
+            "id": str,
+            "session_id": str,
+            "parent_id": str,
+            "role": str,
+            "content": str,
+            "created": float,
+            "n_tokens": int,
+            "metadata": str,
+        },
+        pk="id",
+        not_null={"session_id", "role", "content", "created", "metadata"},
+        foreign_keys=[("session_id", "sessions", "id"), ("parent_id", "messages", "id")],
+    )
+    db["messages"].create_index(["session_id"])
+    db["messages"].create_index(["parent_id"])
+    db["documents"].create(
+        {
+            "id": str,
+            "name": str,
+            "sha256": str,
+            "text": str,
+            "n_chars": int,
+            "pages": int,
+            "n_tokens": int,
+            "metadata": str,
+            "created": float,
+        },
+        pk="id",
+        not_null={"name", "sha256", "text", "n_chars", "metadata", "created"},
+    )
+    db["documents"].create_index(["sha256"], unique=True)
+    db["segments"].create(
+        {
+            "id": int,
+            "document_id": str,
+            "ordinal": int,
+            "char_start": int,
+            "char_end": int,
+            "page": int,
+            "heading": str,
+            "n_tokens": int,
+        },
+        pk="id",
+        not_null={"document_id", "ordinal", "char_start", "char_end"},
+        foreign_keys=[("document_id", "documents", "id")],
+    )
+    db["segments"].create_index(["document_id", "ordinal"], unique=True)
+    db["session_documents"].create(
+        {"session_id": str, "document_id": str, "ordinal": int, "added": float},
+        pk=("session_id", "document_id"),
+        foreign_keys=[("session_id", "sessions", "id"), ("document_id", "documents", "id")],
+    )
+    db["prefixes"].create(
+        {
+            "hash": str,
+            "model_fp": str,
+            "encoder_fp": str,
+            "n_tokens": int,
+            "complete": int,
+            "created": float,
+        },
+        pk="hash",
+        not_null={"model_fp", "encoder_fp", "complete", "created"},
+    )
+    db["session_prefixes"].create(
+        {"session_id": str, "prefix_hash": str, "linked": float},
+        pk=("session_id", "prefix_hash"),
+        foreign_keys=[("session_id", "sessions", "id"), ("prefix_hash", "prefixes", "hash")],
+    )
+    db["spans"].create(
+        {
+            "id": str,
+            "state": str,
+            "file": str,
+            "owner": str,
+            "prefix_hash": str,
+            "message_id": str,
+            "session_id": str,
+            "ordinal": int,
+            "segment_id": int,
+            "model_fp": str,
+            "encoder_fp": str,
+            "dtype": str,
+            "n_tokens": int,
+            "start_pos": int,
+            "tokens_sha256": str,
+            "bytes": int,
+            "checksum": str,
+            "created": float,
+            "last_used": float,
+        },
+        pk="id",
+        not_null={
+            "state",
+            "owner",
+            "ordinal",
+            "model_fp",
+            "encoder_fp",
+            "dtype",
+            "n_tokens",
+            "start_pos",
+            "tokens_sha256",
+            "bytes",
+            "created",
+            "last_used",
+        },
+        foreign_keys=[
+            ("prefix_hash", "prefixes", "hash"),
+            ("message_id", "messages", "id"),
+            ("session_id", "sessions", "id"),
+            ("segment_id", "segments", "id"),
+        ],
+    )
+    db["spans"].create_index(["prefix_hash", "ordinal"], unique=True)
+    db["spans"].create_index(["message_id", "model_fp", "encoder_fp", "ordinal"], unique=True)
+    db["spans"].create_index(["session_id"])
+    db["spans"].create_index(["state", "last_used"])
+    db["spans"].create_index(["file"], unique=True)
+
+
+def m002_full_text_search(db) -> None:
+    """FTS5 over session titles and message content, kept current by triggers."""
+    db["sessions"].enable_fts(["title"], create_triggers=True)
+    db["messages"].enable_fts(["content"], create_triggers=True)
+
+
+MIGRATIONS = [m001_core_tables, m002_full_text_search]
+
+
+# ----------------------------------------------------------------------------- row records
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    id: SessionId
+    title: str
+    created: float
+    updated: float
+    system_prompt: str
+    settings: dict
+    active_leaf_id: MessageId | None
+
+
+@dataclass(slots=True)
+class MessageRecord:
+    id: MessageId
+    session_id: SessionId
+    parent_id: MessageId | None
+    role: str
+    content: str
+    created: float
+    n_tokens: int | None
+    metadata: dict
+
+
+@dataclass(slots=True)
+class DocumentRecord:
+    """A document snapshot (its text: `Store.document_text`)."""
+
+    id: DocumentId
+    name: str
+    sha256: str
+    n_chars: int
+    pages: int | None
+    n_tokens: int | None
+    metadata: dict
+    created: float
+
+
+@dataclass(slots=True)
+class SegmentSpec:
+    """A segment to store: characters [char_start, char_end) of its document's text."""
+
+    char_start: int
+    char_end: int
+    page: int | None = None
+    heading: str | None = None
+    n_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class SegmentRecord:
+    id: SegmentId
+    document_id: DocumentId
+    ordinal: int
+    char_start: int
+    char_end: int
+    page: int | None
+    heading: str | None
+    n_tokens: int | None
+
+
+@dataclass(slots=True)
+class SpanRecord:
+    """One span's row. state 'ready' means its file exists; 'evicted' means recompute it."""
+
+    id: SpanId
+    state: str
+    file: str | None
+    owner: str  # 'prefix' | 'message'
+    prefix_hash: PrefixHash | None
+    message_id: MessageId | None
+    session_id: SessionId | None
+    ordinal: int
+    segment_id: SegmentId | None
+    model_fp: str
+    encoder_fp: str
+    dtype: str
+    n_tokens: int
+    start_pos: int
+    tokens_sha256: str
+    bytes: int
+    checksum: str | None
+    created: float
+    last_used: float
+
+    @property
+    def end_pos(self) -> int:
+        """One past the last token position this span covers."""
+        return self.start_pos + self.n_tokens
+
+
+@dataclass(slots=True)
+class PrefixRecord:
+    hash: PrefixHash
+    model_fp: str
+    encoder_fp: str
+    n_tokens: int | None
+    complete: bool
+    created: float
+    spans: list[SpanRecord]
+
+
+@dataclass(slots=True)
+class CacheSize:
+    """Disk used by one session's spans: its own, and prefixes it shares with other sessions."""
+
+    session_bytes: int
+    shared_bytes: int
+    ready_spans: int
+    evicted_spans: int
+
+
+def _load(row: dict, *json_columns: str) -> dict:
+    return {**row, **{column: json.loads(row[column]) for column in json_columns}}
+
+
+def session_record(row: dict) -> SessionRecord:
+    return SessionRecord(**_load(row, "settings"))
+
+
+def message_record(row: dict) -> MessageRecord:
+    return MessageRecord(**_load(row, "metadata"))
+
+
+def document_record(row: dict) -> DocumentRecord:
+    return DocumentRecord(**_load({key: value for key, value in row.items() if key != "text"}, "metadata"))
+
+
+def prefix_record(row: dict, spans: list[SpanRecord]) -> PrefixRecord:
+    return PrefixRecord(**{**row, "complete": bool(row["complete"])}, spans=spans)
