@@ -78,6 +78,20 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grouped_tables(rows: list[dict]) -> str:
+    """One table per value of the rows' "part" key, each with only its own columns."""
+    parts: dict[str, list[dict]] = {}
+    for row in rows:
+        parts.setdefault(row["part"], []).append({k: v for k, v in row.items() if k != "part"})
+    out = []
+    for name, part_rows in parts.items():
+        columns = []
+        for row in part_rows:
+            columns += [k for k in row if k not in columns]
+        out.append(f"**{name}**\n\n" + table(part_rows, columns))
+    return "\n".join(out)
+
+
 def targets_table(targets: list[Target]) -> str:
     rows = [
         {
@@ -120,7 +134,7 @@ def finish(
         "rows": rows,
         "targets": [t.as_dict() for t in targets],
     }
-    body = table(rows, columns)
+    body = grouped_tables(rows) if rows and "part" in rows[0] else table(rows, columns)
     print(body)
     if targets:
         print(targets_table(targets))

@@ -1,8 +1,16 @@
-"""Prefill and decode speed: our engine vs transformers' `generate`, same model, one run.
+"""Decode speed: our engine vs transformers, and Spotlight vs dense at long contexts.
 
-Each engine runs in its own subprocess (so each peak RSS is its own), on the same
-plain-text prompt (Paul Graham essays) cut to each context length, greedy, with a
-fixed number of new tokens (end of text is not allowed to stop either engine early).
+Part `engine` (issue #2): prefill and decode tokens/s of our engine and of transformers'
+`generate` on the same model and prompt (Paul Graham essays cut to each context length),
+greedy, a fixed number of new tokens; each engine in its own subprocess so each peak RSS
+is its own.
+
+Part `spotlight` (issue #3): decode tokens/s of our dense path and of Spotlight at 8K, 32K
+and 128K cached tokens, each beside its bytes-moved floor (weights + KV rows or codes +
+gathered rows + dense layers, over the memory bandwidth measured in the same run). The
+cache is filled with random keys and values (their codes computed as usual): speed does
+not depend on the contents, and 32K/128K lie beyond SmolLM2's 8K window, which is fine for
+a speed measurement only. llama.cpp on the same GGUF joins when `make bench-deps` installed it.
 """
 from __future__ import annotations
 
@@ -93,9 +101,7 @@ def in_subprocess(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def main(argv=None):
-    args = parser("decode", __doc__.splitlines()[0]).parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+def engine_part(sizes: dict):
     ours = in_subprocess(run_ours, sizes["contexts"], sizes["new_tokens"])
     theirs = in_subprocess(run_transformers, sizes["contexts"], sizes["new_tokens"])
     rows = []
@@ -116,7 +122,27 @@ def main(argv=None):
         f"Peak RSS: ours {ours['peak_rss_mb']:.0f} MiB, transformers {theirs['peak_rss_mb']:.0f} MiB "
         f"(each in its own process)."
     )
-    finish("decode", args, rows, targets, title="Decode and prefill speed: ours vs transformers", notes=notes)
+    return rows, targets, notes
+
+
+def main(argv=None):
+    p = parser("decode", __doc__.splitlines()[0])
+    p.add_argument("--part", choices=["all", "engine", "spotlight"], default="all", help="which comparison to run")
+    args = p.parse_args(argv)
+    rows, targets, notes = [], [], []
+    if args.part in ("all", "engine"):
+        r, t, n = engine_part(QUICK if args.quick else FULL)
+        rows += [{"part": "engine", **row} for row in r]
+        targets += t
+        notes.append(n)
+    if args.part in ("all", "spotlight"):
+        from bench.spotlight_speed import spotlight_part
+
+        r, t, n = spotlight_part(args.quick)
+        rows += [{"part": "spotlight", **row} for row in r]
+        targets += t
+        notes.append(n)
+    finish("decode", args, rows, targets, title="Decode speed", notes="\n\n".join(notes))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""Retrieval kernels behind one dispatch: pack codes, score cached keys, select the top tokens.
+
+Shape legend: H query heads, Hkv KV heads, G = H / Hkv (query head h * G + g belongs to KV head
+h, Hugging Face order), r code bits, W = ceil(r / 64) uint64 words, N code-buffer capacity, n
+valid tokens, T new tokens, K selected tokens per KV head, D head dim.
+
+The backend follows the arguments: numpy arrays and CPU torch tensors run on the CPU backend
+(kernels/cpu.py: numba when installed, else numpy) and return numpy arrays (wrap them with
+`torch.from_numpy`, or pass torch tensors as `out=` and keep using those); CuPy arrays and CUDA
+torch tensors run on kernels/cuda.py and return CuPy arrays. `use_backend(name)` forces one
+("cpu", "numpy" or "cuda"), for tests and benchmarks. Both backends give bit-identical integer
+results; the semantics (bit order, scores, the tie rule) are written once in kernels/cpu.py.
+
+Importing this package never imports cupy; the CUDA backend raises `CudaUnavailable` when asked
+for without a usable GPU. Packed codes may be given as uint64 or int64 (same bits).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+from . import cpu
+from .cpu import Layout, Scratch, selection_layout, words_for
+
+__all__ = [
+    "pack", "pack_into", "scores", "select", "score_select", "make_scratch", "gather",
+    "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
+]
+
+BACKENDS = ("cpu", "numpy", "cuda")
+_forced: list[str] = []  # stack of use_backend() overrides
+
+
+class CudaUnavailable(RuntimeError):
+    """CUDA was requested (a CUDA array, or use_backend("cuda")) but no usable GPU is present."""
+
+
+def backend_of(x) -> str:
+    """"cpu" for numpy arrays and CPU torch tensors, "cuda" for CuPy arrays and CUDA torch tensors."""
+    module = type(x).__module__
+    if module.startswith("numpy"):
+        return "cpu"
+    if module.startswith("cupy"):
+        return "cuda"
+    if module.startswith("torch"):
+        return "cuda" if x.device.type == "cuda" else "cpu"
+    raise TypeError(f"kernels take numpy/cupy arrays or torch tensors, got {type(x).__name__}")
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force a backend inside the block: `with kernels.use_backend("numpy"): ...`."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    if name == "cuda":
+        _backend("cuda")  # fail here, with the reason, rather than at the first call
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+@functools.cache
+def _numpy_backend():
+    names = ("pack", "pack_into", "scores", "select", "score_select", "gather")
+    funcs = {name: functools.partial(getattr(cpu, name), jit=False) for name in names}
+    return types.SimpleNamespace(make_scratch=cpu.make_scratch, **funcs)
+
+
+def _backend(name: str):
+    if name == "cpu":
+        return cpu
+    if name == "numpy":
+        return _numpy_backend()
+    from . import cuda  # imports cupy lazily and checks for a device
+
+    return cuda.backend()
+
+
+def _pick(x):
+    return _backend(_forced[-1] if _forced else backend_of(x))
+
+
+def pack(x, out=None):
+    """Signs of x (..., r) float -> uint64 (..., W); bit j of word w is x[..., 64 w + j] > 0."""
+    return _pick(x).pack(x, out=out)
+
+
+def pack_into(x, k_codes, start: int) -> None:
+    """Pack keys x (Hkv, T, r) into the word-major code buffer k_codes (Hkv, W, N) at [start, start + T)."""
+    return _pick(k_codes).pack_into(x, k_codes, start)
+
+
+def scores(q_codes, k_codes, n: int, out=None):
+    """int32 (Hkv, n): matching bits of each token's key code with its KV head's G query codes.
+
+    q_codes (H, W), k_codes (Hkv, W, N) with n <= N valid tokens; out: C-contiguous int32 (Hkv, n).
+    """
+    return _pick(k_codes).scores(q_codes, k_codes, n, out=out)
+
+
+def select(scores_, k: int, sinks: int, window: int, out=None):
+    """int32 (Hkv, K) ascending: tokens [0, sinks) and [n - window, n), plus the top-k others.
+
+    Ties: equal scores -> lower token index first. K = selection_layout(n, k, sinks, window).size,
+    the same for every head; out: C-contiguous int32 (Hkv, K). Scores must be small ints >= 0.
+    """
+    return _pick(scores_).select(scores_, k, sinks, window, out=out)
+
+
+def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=None, scratch=None):
+    """select(scores(q_codes, k_codes, n), k, sinks, window), fused; identical results.
+
+    scratch: make_scratch(q_codes, k_codes), allocated once and reused, so a step allocates nothing.
+    """
+    return _pick(k_codes).score_select(q_codes, k_codes, n, k, sinks, window, out=out, scratch=scratch)
+
+
+def make_scratch(q_codes, k_codes):
+    """Scratch buffers of score_select for these code shapes (and this backend)."""
+    return _pick(k_codes).make_scratch(q_codes, k_codes)
+
+
+def gather(kv, idx, out=None):
+    """out[h, j] = kv[h, idx[h, j]]: kv (Hkv, N, D), idx (Hkv, K) -> (Hkv, K, D), kv's dtype."""
+    return _pick(kv).gather(kv, idx, out=out)

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -16,15 +17,18 @@ from typing import Iterator
 import torch
 
 from . import loading
-from .attention import DenseDecode
+from .attention import CodeSelector, DenseDecode, SpotlightDecode
 from .cache import KVCache
-from .config import EngineConfig, ModelArgs, SamplingConfig
-from .errors import ContextTooLong, DeviceUnavailable
+from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
+from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
+from .hashing import EncoderSpec, Encoders, load_encoders
 from .generate import Context, ProgressFn, Step, stream
 from .model import Transformer, build_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INITIAL_CAPACITY = 1024  # tokens; the cache grows geometrically beyond this
+CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # shipped encoder checkpoints
+log = logging.getLogger("spotlight")
 
 
 @dataclass
@@ -36,10 +40,14 @@ class Engine:
     source: loading.ModelSource
     policy: object
     load_seconds: float = 0.0
+    warnings: tuple[str, ...] = ()
 
     @classmethod
-    def load(cls, config: EngineConfig, home: Path, policy=None) -> "Engine":
-        """Resolve (and on first use convert) the model, then load weights and tokenizer."""
+    def load(cls, config: EngineConfig, home: Path, spotlight: SpotlightConfig | None = None) -> "Engine":
+        """Resolve (and on first use convert) the model, then load weights, tokenizer and encoders.
+
+        `spotlight=None` (or disabled) decodes densely.
+        """
         started = time.perf_counter()
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise DeviceUnavailable("CUDA was requested but no GPU is available; use --device cpu")
@@ -49,7 +57,13 @@ class Engine:
         _, args = loading.load_config(source)
         tokenizer = loading.load_tokenizer(source)
         model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype], device=config.device)
-        return cls(config, args, model, tokenizer, source, policy or DenseDecode(), time.perf_counter() - started)
+        policy, warnings = DenseDecode(), []
+        if spotlight is not None and spotlight.enabled:
+            encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)
+            policy = SpotlightDecode(spotlight, CodeSelector(encoders))
+        for warning in warnings:
+            log.warning(warning)
+        return cls(config, args, model, tokenizer, source, policy, time.perf_counter() - started, tuple(warnings))
 
     @property
     def max_context(self) -> int:
@@ -69,7 +83,8 @@ class Engine:
         return {i for i in ids if i is not None}
 
     def new_context(self, capacity: int = _INITIAL_CAPACITY) -> Context:
-        cache = KVCache(self.args, capacity, dtype=self.model.tok_embeddings.weight.dtype, device=self.config.device)
+        cache = KVCache(self.args, capacity, dtype=self.model.tok_embeddings.weight.dtype,
+                        device=self.config.device, code_words=self.policy.code_words)
         return Context(cache)
 
     def encode(self, text: str) -> list[int]:
@@ -103,3 +118,18 @@ class Engine:
             eos_ids=self.eos_ids, max_context=self.max_context, chunk=self.config.prefill_chunk,
             cancel=cancel, progress=progress,
         )
+
+
+def find_encoders(args: ModelArgs, fingerprint: str, bits: int, path: str | None) -> tuple[Encoders, list[str]]:
+    """The encoder checkpoint for this model: the given path, else a shipped one whose model
+    fingerprint matches, else untrained identity-like encoders (with a warning saying so)."""
+    if path is not None:  # an explicit checkpoint must fit; errors are the user's to fix
+        return load_encoders(Path(path), model_fingerprint=fingerprint, bits=bits), []
+    for candidate in sorted(CHECKPOINTS.glob("*.safetensors")):
+        try:
+            return load_encoders(candidate, model_fingerprint=fingerprint, bits=bits), []
+        except EncoderMismatch:
+            continue
+    warning = (f"no trained Spotlight encoders for this model at {bits} bits: using untrained (identity-like) "
+               f"codes, which retrieve less precisely; train them with `python -m spotlight.train`")
+    return Encoders(EncoderSpec.for_model(args, bits), model_fingerprint=fingerprint), [warning]

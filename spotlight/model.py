@@ -97,7 +97,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.project(x, cos, sin)
         cache.write(self.layer, k, v)
-        policy.keys_added(self.layer, k, cache)
+        policy.on_new_tokens(self.layer, q, k, cache)
         if T == 1:
             out = policy.decode(self.layer, q, cache)  # (H, 1, D)
         else:

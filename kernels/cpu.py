@@ -1,0 +1,573 @@
+"""CPU retrieval kernels: the reference semantics, a numba JIT fast path and a pure-numpy fallback.
+
+Shape legend: H query heads, Hkv KV heads, G = H / Hkv query heads per KV head (Hugging Face
+order: query head h * G + g belongs to KV head h), r code bits, W = ceil(r / 64) packed words,
+N / n cached tokens (capacity / valid), T new tokens, K selected tokens per KV head, D head dim,
+S = G * W * 64 the largest score.
+
+Semantics, written once (kernels/cuda.py and kernels/*.cu match them bit for bit):
+  * bit order: bit j of word w is `x[..., 64 * w + j] > 0` (NaN and -0.0 give 0); the unused
+    high bits of the last word are zero in query and key codes alike;
+  * score[h, t] = sum over g < G and w < W of popcount(~(q[h * G + g, w] ^ k[h, w, t])), the
+    number of matching bits. Padding bits match for every token, which adds the same constant
+    G * (64 * W - r) to every score of a head: rankings are unchanged;
+  * selection: forced = [0, sinks) and [n - window, n) clipped to [0, n), plus the top
+    min(k, n - |forced|) of the middle tokens by score, **equal scores -> lower index first**,
+    returned as ascending int32 indices; K is the same for every head.
+
+Speed (measured in this repository's bench/retrieval.py, AMD EPYC Zen 5, 2 cores, see
+docs/RESULTS.md): the numba path scores one token of one KV head in ~0.2 ns per (g, w) word pair
+with AVX-512 VPOPCNTQ (~1 ns with AVX2 only), i.e. faster than DRAM delivers the codes. The
+fused `score_select` never stores the full score row: it keeps, per (head, token range), the
+tokens that beat a running lower bound of the k-th best score (`_scan_range`), which is a few
+percent of the range, so the whole step reads each code once. numpy's `bitwise_count` path,
+which makes 3 passes per (g, w) over chunks, was 3-6x slower (bench/retrieval.py rows `numpy`).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+try:  # numba is the fast path; without it every function still works through numpy
+    import numba
+    from numba import njit, prange, types
+    from llvmlite import ir
+    from numba.extending import intrinsic
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - exercised only where numba is absent
+    HAVE_NUMBA = False
+
+assert sys.byteorder == "little", "packed codes assume a little-endian host (uint8 -> uint64 views)"
+
+WORD_BITS = 64
+# Bit pattern of +inf per float type: x > 0 exactly when 0 < bits(x) <= bits(+inf) read as an
+# unsigned int (negative numbers and NaNs compare above +inf); numba has no float16, CUDA no bf16.
+INF_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, "float64": 0x7FF0000000000000}
+TILE = 512  # tokens scored per inner tile: W * TILE words of codes stay in L1
+NUMPY_CHUNK = 16384  # tokens per chunk of the numpy fallback (a few hundred KiB, L2-resident)
+
+
+class Layout(NamedTuple):
+    """Where the forced and retrieved tokens of one selection lie.
+
+    Token axis of one KV head (n valid tokens):
+
+        0        sinks_end                         window_start        n
+        |-forced-|----------- middle --------------|------forced------|
+                   top `retrieved` by (score desc, index asc)
+
+    Output row: [0 .. sinks_end) ++ retrieved middle tokens ascending ++ [window_start .. n).
+    """
+
+    n: int
+    sinks_end: int
+    window_start: int
+    retrieved: int
+
+    @property
+    def size(self) -> int:
+        """K: selected tokens per head."""
+        return self.sinks_end + self.retrieved + (self.n - self.window_start)
+
+    @property
+    def middle(self) -> int:
+        return self.window_start - self.sinks_end
+
+
+def selection_layout(n: int, k: int, sinks: int, window: int) -> Layout:
+    """Layout of `select(scores[:, :n], k, sinks, window)`; all arguments are non-negative ints."""
+    if min(n, k, sinks, window) < 0:
+        raise ValueError(f"n, k, sinks and window must be >= 0, got {n}, {k}, {sinks}, {window}")
+    sinks_end = min(sinks, n)
+    window_start = max(n - window, sinks_end)
+    return Layout(n, sinks_end, window_start, min(k, window_start - sinks_end))
+
+
+def words_for(bits: int) -> int:
+    """W: packed uint64 words for `bits` code bits."""
+    return -(-bits // WORD_BITS)
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def as_numpy(x):
+    """A numpy view of a numpy array or a CPU torch tensor (zero-copy)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("torch"):
+        if x.device.type != "cpu":
+            raise ValueError(f"the CPU backend got a tensor on {x.device}")
+        return x.detach().numpy()
+    raise TypeError(f"expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def as_codes(x, name: str) -> np.ndarray:
+    """uint64 view of packed codes given as uint64 or int64 (same bits)."""
+    a = as_numpy(x)
+    if a.dtype == np.int64:
+        a = a.view(np.uint64)
+    if a.dtype != np.uint64:
+        raise ValueError(f"{name} must hold packed codes as uint64 (or int64), got {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (shape {a.shape}, strides {a.strides})")
+    return a
+
+
+def check_codes(q: np.ndarray, k: np.ndarray, n: int) -> tuple[int, int, int]:
+    """(Hkv, G, W) of q_codes (H, W) and k_codes (Hkv, W, N); asserts GQA divisibility and n <= N."""
+    if q.ndim != 2 or k.ndim != 3:
+        raise ValueError(f"q_codes must be (H, W) and k_codes (Hkv, W, N), got {q.shape} and {k.shape}")
+    hkv, words, capacity = k.shape
+    if q.shape[1] != words or q.shape[0] % hkv:
+        raise ValueError(f"q_codes {q.shape} does not match k_codes {k.shape}: need (G * Hkv, W)")
+    if not 0 <= n <= capacity:
+        raise ValueError(f"n = {n} outside the code buffer's capacity {capacity}")
+    return hkv, q.shape[0] // hkv, words
+
+
+def result(out, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """`out` as a checked numpy array of this shape and dtype, or a new one."""
+    if out is None:
+        return np.empty(shape, dtype)
+    a = as_numpy(out)
+    if a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous {np.dtype(dtype)} {shape}, got {a.dtype} {a.shape}")
+    return a
+
+
+# ----------------------------------------------------------------------------- numba kernels
+
+if HAVE_NUMBA:
+
+    @intrinsic
+    def popcount(typingctx, x):
+        """llvm.ctpop on uint64: VPOPCNTQ / POPCNT / pshufb nibble counts, as the CPU allows."""
+        sig = types.uint64(types.uint64)
+
+        def codegen(context, builder, signature, args):
+            return builder.ctpop(args[0])
+
+        return sig, codegen
+
+    @njit(cache=True)
+    def _pack_rows(x, inf_bits, out):
+        """x (R, r) float bit patterns (unsigned) -> out (R, W) uint64; out may be a strided view."""
+        rows, bits = x.shape
+        for i in range(rows):
+            for w in range(out.shape[1]):
+                word = np.uint64(0)
+                for j in range(min(WORD_BITS, bits - WORD_BITS * w)):
+                    b = x[i, WORD_BITS * w + j]
+                    if b != 0 and b <= inf_bits:
+                        word |= np.uint64(1) << np.uint64(j)
+                out[i, w] = word
+
+    @intrinsic
+    def trailing_zeros(typingctx, x):
+        """llvm.cttz on a non-zero uint64 (TZCNT)."""
+        sig = types.uint64(types.uint64)
+
+        def codegen(context, builder, signature, args):
+            return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
+        return sig, codegen
+
+    @njit(cache=True)
+    def _fill_forced(out, layout_n, sinks_end, window_start, retrieved):
+        """Write the sink and window indices of every head's output row."""
+        for h in range(out.shape[0]):
+            for t in range(sinks_end):
+                out[h, t] = t
+            for t in range(window_start, layout_n):
+                out[h, sinks_end + retrieved + t - window_start] = t
+
+    @njit(cache=True)
+    def _fill_middle(out, sinks_end, retrieved):
+        """The whole middle is selected: out[h, sinks_end + i] = sinks_end + i."""
+        for h in range(out.shape[0]):
+            for t in range(sinks_end, sinks_end + retrieved):
+                out[h, t] = t
+
+    @njit(cache=True)
+    def _gather_jit(kv, idx, out):
+        """out[h, j] = kv[h, idx[h, j]] row by row (no advanced indexing)."""
+        hkv, count = idx.shape
+        for h in range(hkv):
+            for j in range(count):
+                src = kv[h, idx[h, j]]
+                dst = out[h, j]
+                for d in range(src.size):
+                    dst[d] = src[d]
+
+    def tags(group: int, words: int) -> tuple[tuple, tuple]:
+        """Compile-time G and W: tuples of these lengths, whose len() numba folds to a constant.
+
+        NOTE: specialising by argument type (not by closure) keeps numba's on-disk cache valid.
+        """
+        return (0,) * group, (0,) * words
+
+    @njit(cache=True)
+    def _tile_scores(qh, kf, capacity, t0, count, bound, tile, flags, g_tag, w_tag):
+        """tile[i] = score of token t0 + i of one head, flags[i] = tile[i] > bound.
+
+        qh (G * W,) complemented query words, kf (W * N,) the head's code planes. With G and W
+        constant, LLVM unrolls the (w, g) loops and vectorises over tokens.
+        """
+        for i in range(np.uint64(count)):  # unsigned index: no wraparound test, hence no gathers
+            s = np.uint64(0)
+            for w in range(len(w_tag)):
+                x = kf[np.uint64(w * capacity + t0) + i]
+                for g in range(len(g_tag)):
+                    s += popcount(qh[g * len(w_tag) + w] ^ x)
+            tile[i] = s
+            flags[i] = s > bound
+
+    @njit(cache=True)
+    def _tile_flags(row, t0, count, bound, flags):
+        """flags[i] = row[t0 + i] > bound."""
+        for i in range(count):
+            flags[i] = row[t0 + i] > bound
+
+    @njit(cache=True)
+    def _collect(tile, flags, count, t0, cand_index, cand_score, kept):
+        """Append the flagged tokens of a tile (t0 + i, tile[i]) in order; returns the new total.
+
+        Reads the 0/1 flag bytes 8 at a time: time goes to the few flagged tokens only.
+        """
+        flags[count : -(-count // 8) * 8] = 0
+        words = flags.view(np.uint64)
+        for j in range(-(-count // 8)):
+            bits = words[j]
+            while bits:
+                i = 8 * j + (trailing_zeros(bits) >> np.uint64(3))
+                cand_index[kept] = t0 + i
+                cand_score[kept] = tile[i]
+                kept += 1
+                bits &= bits - np.uint64(1)
+        return kept
+
+    @njit(cache=True)
+    def _raise_bound(hist, cand_score, start, kept, bound, above, r):
+        """Count the new candidates, then raise the bound while >= r tokens score above it."""
+        for j in range(start, kept):
+            hist[cand_score[j]] += 1
+        above += kept - start
+        while above >= r:
+            bound += 1
+            above -= hist[bound]
+        return bound, above
+
+    @njit(cache=True)
+    def _scan_codes(qh, kf, capacity, lo, hi, r, tile, flags, hist, cand_index, cand_score, g_tag, w_tag):
+        """Candidates of tokens [lo, hi) of one head, scored from codes, in index order; returns how many.
+
+        NOTE: a token is dropped only when at least r earlier tokens of the range score >= it:
+        it then ranks below r tokens in (score desc, index asc) order and cannot be selected.
+        `bound` is the r-th best score seen so far (-1 before r tokens), raised after each tile;
+        `hist` counts the kept candidates, which are all the seen tokens above the old bound.
+        """
+        hist[:] = 0
+        bound, above, kept = -1, 0, 0  # above = candidates scoring >= bound + 1
+        for t0 in range(lo, hi, TILE):
+            count = min(TILE, hi - t0)
+            _tile_scores(qh, kf, capacity, t0, count, bound, tile, flags, g_tag, w_tag)
+            start = kept
+            kept = _collect(tile, flags, count, t0, cand_index, cand_score, kept)
+            bound, above = _raise_bound(hist, cand_score, start, kept, bound, above, r)
+        return kept
+
+    @njit(cache=True)
+    def _scan_scores(row, lo, hi, r, flags, hist, cand_index, cand_score):
+        """_scan_codes for given scores row (N,)."""
+        hist[:] = 0
+        bound, above, kept = -1, 0, 0
+        for t0 in range(lo, hi, TILE):
+            count = min(TILE, hi - t0)
+            _tile_flags(row, t0, count, bound, flags)
+            start = kept
+            kept = _collect(row[t0:], flags, count, t0, cand_index, cand_score, kept)
+            bound, above = _raise_bound(hist, cand_score, start, kept, bound, above, r)
+        return kept
+
+    @njit(cache=True)
+    def _histogram_cut(hist, r):
+        """(cut, above): the r-th best score and how many score above it."""
+        total = 0
+        for v in range(hist.size - 1, -1, -1):
+            if total + hist[v] >= r:
+                return v, total
+            total += hist[v]
+        return -1, total  # unreachable when sum(hist) >= r
+
+    @njit(cache=True)
+    def _finish_head(h, parts, layout, counts, hist, cand_index, cand_score, dest):
+        """Cut and tie quota from the candidates' histogram, then the ordered, branch-free selection."""
+        n, sinks_end, window_start, r = layout
+        total = hist[h * parts]  # NOTE: sums in place into the first item's scratch row
+        for p in range(1, parts):
+            total += hist[h * parts + p]
+        cut, above = _histogram_cut(total, r)
+        ties, taken_ties, j = r - above, 0, 0
+        for p in range(parts):
+            base = (window_start - sinks_end) * p // parts
+            for c in range(base, base + counts[h * parts + p]):
+                if j == r:
+                    return
+                s = cand_score[h, c]
+                tie = s == cut
+                dest[j] = cand_index[h, c]
+                j += (s > cut) | (tie & (taken_ties < ties))
+                taken_ties += tie
+
+    @njit(cache=True)
+    def _part(item, parts, layout):
+        """(KV head, first token, end token) of work item `item`: a slice of one head's middle."""
+        n, sinks_end, window_start, r = layout
+        h, p, m = item // parts, item % parts, window_start - sinks_end
+        return h, sinks_end + m * p // parts, sinks_end + m * (p + 1) // parts
+
+    @njit(parallel=True, cache=True)
+    def _score_select_jit(q, k, layout, parts, tile, flags, hist, cand_index, cand_score, counts, out,
+                          g_tag, w_tag):
+        hkv, _, capacity = k.shape
+        sinks_end, r = layout[1], layout[3]
+        for item in prange(hkv * parts):
+            h, lo, hi = _part(item, parts, layout)
+            qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
+            base = lo - sinks_end
+            counts[item] = _scan_codes(qh, k[h].ravel(), capacity, lo, hi, r, tile[item], flags[item],
+                                       hist[item], cand_index[h, base:], cand_score[h, base:], g_tag, w_tag)
+        for h in prange(hkv):
+            _finish_head(h, parts, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
+
+    @njit(parallel=True, cache=True)
+    def _select_jit(scores, layout, parts, flags, hist, cand_index, cand_score, counts, out):
+        sinks_end, r = layout[1], layout[3]
+        for item in prange(scores.shape[0] * parts):
+            h, lo, hi = _part(item, parts, layout)
+            base = lo - sinks_end
+            counts[item] = _scan_scores(scores[h], lo, hi, r, flags[item], hist[item],
+                                        cand_index[h, base:], cand_score[h, base:])
+        for h in prange(scores.shape[0]):
+            _finish_head(h, parts, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
+
+    @njit(parallel=True, cache=True)
+    def _scores_jit(q, k, n, parts, tile, flags, out, g_tag, w_tag):
+        hkv, _, capacity = k.shape
+        for item in prange(hkv * parts):
+            h, p = item // parts, item % parts
+            qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
+            for t0 in range(n * p // parts, n * (p + 1) // parts, TILE):
+                count = min(TILE, n * (p + 1) // parts - t0)
+                _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags[item], g_tag, w_tag)
+
+
+# ----------------------------------------------------------------------------- scratch
+
+
+@dataclass
+class Scratch:
+    """Preallocated buffers of `score_select` for one (q_codes, k_codes) geometry."""
+
+    parts: int  # token ranges per head, so that Hkv * parts items split evenly over the threads
+    tile: np.ndarray  # (Hkv * parts, TILE) int32
+    hist: np.ndarray  # (Hkv * parts, S + 1) int64
+    cand_index: np.ndarray  # (Hkv, N) int32
+    cand_score: np.ndarray  # (Hkv, N) int32
+    counts: np.ndarray  # (Hkv * parts,) int64
+
+    def fits(self, hkv: int, group: int, words: int, capacity: int) -> bool:
+        return (self.cand_index.shape == (hkv, capacity) and self.hist.shape[0] == hkv * self.parts
+                and self.hist.shape[1] == group * words * WORD_BITS + 1)
+
+
+def threads() -> int:
+    return numba.get_num_threads() if HAVE_NUMBA else 1
+
+
+def make_scratch(q_codes, k_codes) -> Scratch:
+    """Buffers for `score_select(q_codes, k_codes, ...)`; allocate once per cache, reuse every step."""
+    q, k = as_codes(q_codes, "q_codes"), as_codes(k_codes, "k_codes")
+    hkv, group, words = check_codes(q, k, 0)
+    capacity = k.shape[2]
+    parts = threads() // math.gcd(hkv, threads())
+    items = hkv * parts
+    return Scratch(
+        parts=parts,
+        tile=np.empty((items, TILE), np.int32),
+        hist=np.empty((items, group * words * WORD_BITS + 1), np.int64),
+        cand_index=np.empty((hkv, capacity), np.int32),
+        cand_score=np.empty((hkv, capacity), np.int32),
+        counts=np.empty(items, np.int64),
+    )
+
+
+# ----------------------------------------------------------------------------- public functions
+
+
+def pack(x, out=None, *, jit: bool = True) -> np.ndarray:
+    """Pack the signs of x (..., r) float into uint64 (..., W): bit j of word w is x[..., 64w + j] > 0."""
+    a, inf_bits = float_bits(x)
+    bits = a.shape[-1]
+    dest = result(out, a.shape[:-1] + (words_for(bits),), np.uint64)
+    if jit and HAVE_NUMBA:
+        _pack_rows(a.reshape(-1, bits), inf_bits, dest.reshape(-1, dest.shape[-1]))
+    else:
+        dest[...] = _pack_numpy(a, inf_bits)
+    return dest
+
+
+def pack_into(x, k_codes, start: int, *, jit: bool = True) -> None:
+    """Pack keys x (Hkv, T, r) into the word-major buffer k_codes (Hkv, W, N) at tokens [start, start + T)."""
+    a, inf_bits = float_bits(x)
+    k = as_codes(k_codes, "k_codes")
+    hkv, count, bits = a.shape
+    if k.shape[0] != hkv or k.shape[1] != words_for(bits) or not 0 <= start <= k.shape[2] - count:
+        raise ValueError(f"keys {a.shape} at {start} do not fit k_codes {k.shape}")
+    view = k[:, :, start : start + count].transpose(0, 2, 1)  # (Hkv, T, W) strided
+    for h in range(hkv):
+        if jit and HAVE_NUMBA:
+            _pack_rows(a[h], inf_bits, view[h])
+        else:
+            view[h] = _pack_numpy(a[h], inf_bits)
+
+
+def scores(q_codes, k_codes, n: int, out=None, *, jit: bool = True) -> np.ndarray:
+    """Matching-bit counts, int32 (Hkv, n): score[h, t] = sum_g popcount(~(q[h*G+g] ^ k[h, :, t]))."""
+    q, k = as_codes(q_codes, "q_codes"), as_codes(k_codes, "k_codes")
+    hkv, group, words = check_codes(q, k, n)
+    dest = result(out, (hkv, n), np.int32)
+    if jit and HAVE_NUMBA:
+        _scores_jit(q, k, n, threads() // math.gcd(hkv, threads()), dest, *tags(group, words))
+    else:
+        _scores_numpy(q, k, n, group, dest)
+    return dest
+
+
+def select(scores_, k: int, sinks: int, window: int, out=None, *, jit: bool = True) -> np.ndarray:
+    """Ascending int32 (Hkv, K) indices: sinks, window, and the top-k middle tokens (ties: lower index)."""
+    s = as_numpy(scores_)
+    if s.ndim != 2 or s.dtype.kind not in "iu":
+        raise ValueError(f"scores must be a 2-D integer array, got {s.dtype} {s.shape}")
+    s = np.ascontiguousarray(s)
+    layout = selection_layout(s.shape[1], k, sinks, window)
+    dest = result(out, (s.shape[0], layout.size), np.int32)
+    if layout.retrieved in (0, layout.middle):
+        _fill_all(dest, layout)
+        return dest
+    if jit and HAVE_NUMBA:
+        if _select_jit(s, layout.retrieved, layout.sinks_end, layout.window_start, dest) < 0:
+            raise ValueError("scores must be >= 0 (a histogram threshold needs small non-negative ints)")
+    else:
+        _select_numpy(s, layout, dest)
+    _fill_forced(dest, *layout) if HAVE_NUMBA else _fill_forced_numpy(dest, layout)
+    return dest
+
+
+def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=None, scratch=None,
+                 *, jit: bool = True) -> np.ndarray:
+    """`select(scores(q_codes, k_codes, n), k, sinks, window)`, fused; identical results.
+
+    scratch: `make_scratch(q_codes, k_codes)`, reused across steps (allocated per call if None).
+    """
+    q, kc = as_codes(q_codes, "q_codes"), as_codes(k_codes, "k_codes")
+    hkv, group, words = check_codes(q, kc, n)
+    layout = selection_layout(n, k, sinks, window)
+    dest = result(out, (hkv, layout.size), np.int32)
+    if layout.retrieved in (0, layout.middle):
+        _fill_all(dest, layout)
+        return dest
+    if not (jit and HAVE_NUMBA):
+        return select(scores(q, kc, n, jit=False), k, sinks, window, out=dest, jit=False)
+    buf = scratch if scratch is not None else make_scratch(q, kc)
+    if not buf.fits(hkv, group, words, kc.shape[2]):
+        raise ValueError("scratch was made for other q_codes / k_codes shapes: call make_scratch again")
+    _score_select_jit(q, kc, layout, buf.parts, buf.tile, buf.hist, buf.cand_index, buf.cand_score, buf.counts,
+                      dest, *tags(group, words))
+    _fill_forced(dest, *layout)
+    return dest
+
+
+def gather(kv, idx, out=None, *, jit: bool = True) -> np.ndarray:
+    """out[h, j] = kv[h, idx[h, j]]: kv (Hkv, N, D), idx (Hkv, K) int -> (Hkv, K, D), kv's dtype."""
+    a, i = as_numpy(kv), as_numpy(idx)
+    if a.ndim != 3 or i.ndim != 2 or i.shape[0] != a.shape[0]:
+        raise ValueError(f"kv must be (Hkv, N, D) and idx (Hkv, K), got {a.shape} and {i.shape}")
+    dest = result(out, (a.shape[0], i.shape[1], a.shape[2]), a.dtype)
+    if jit and HAVE_NUMBA:
+        _gather_jit(a, i, dest)
+    else:
+        for h in range(a.shape[0]):
+            np.take(a[h], i[h], axis=0, out=dest[h])
+    return dest
+
+
+# ----------------------------------------------------------------------------- numpy fallback
+
+
+def float_bits(x) -> tuple[np.ndarray, int]:
+    """(unsigned view of the float bit patterns, +inf's bits) of a float array or CPU tensor (zero-copy)."""
+    if type(x).__module__.startswith("torch") and str(x.dtype) == "torch.bfloat16":
+        import torch
+
+        return as_numpy(x.view(torch.int16)).view(np.uint16), INF_BITS["bfloat16"]
+    a = as_numpy(x)
+    if a.dtype.name not in INF_BITS:
+        raise ValueError(f"pack takes float16/bfloat16/float32/float64 input, got {a.dtype}")
+    return a.view(f"uint{8 * a.dtype.itemsize}"), INF_BITS[a.dtype.name]
+
+
+def _pack_numpy(a: np.ndarray, inf_bits: int) -> np.ndarray:
+    bits = a.shape[-1]
+    padded = np.zeros(a.shape[:-1] + (words_for(bits) * WORD_BITS,), np.bool_)  # (..., W * 64)
+    padded[..., :bits] = (a != 0) & (a <= inf_bits)
+    return np.packbits(padded, axis=-1, bitorder="little").view(np.uint64)  # (..., W)
+
+
+def _scores_numpy(q, k, n, group, out) -> None:
+    inverted = ~q  # (H, W)
+    for h in range(k.shape[0]):
+        for t0 in range(0, n, NUMPY_CHUNK):
+            acc = out[h, t0 : t0 + NUMPY_CHUNK]  # (chunk,)
+            acc[:] = 0
+            for w in range(k.shape[1]):
+                plane = k[h, w, t0 : t0 + acc.size]  # (chunk,)
+                for g in range(group):
+                    acc += np.bitwise_count(plane ^ inverted[h * group + g, w])
+
+
+def _select_numpy(s, layout: Layout, out) -> None:
+    _, sinks_end, window_start, r = layout
+    for h in range(s.shape[0]):
+        middle = s[h, sinks_end:window_start]  # (m,)
+        if middle.min() < 0:
+            raise ValueError("scores must be >= 0 (a histogram threshold needs small non-negative ints)")
+        at_least = np.cumsum(np.bincount(middle)[::-1])[::-1]  # at_least[v] = #(score >= v)
+        cut = int(np.flatnonzero(at_least >= r)[-1])
+        above = int(at_least[cut + 1]) if cut + 1 < at_least.size else 0
+        keep = middle > cut
+        keep[np.flatnonzero(middle == cut)[: r - above]] = True
+        out[h, sinks_end : sinks_end + r] = np.flatnonzero(keep) + sinks_end
+
+
+def _fill_forced_numpy(out, layout: Layout) -> None:
+    n, sinks_end, window_start, r = layout
+    out[:, :sinks_end] = np.arange(sinks_end)
+    out[:, sinks_end + r :] = np.arange(window_start, n)
+
+
+def _fill_all(out, layout: Layout) -> None:
+    """The middle is empty or taken whole: the selection is forced, no scores needed."""
+    n, sinks_end, window_start, r = layout
+    if HAVE_NUMBA:
+        _fill_forced(out, n, sinks_end, window_start, r)
+        _fill_middle(out, sinks_end, r)
+    else:
+        _fill_forced_numpy(out, layout)
+        out[:, sinks_end : sinks_end + r] = np.arange(sinks_end, sinks_end + r)

@@ -1,0 +1,223 @@
+// Retrieval kernels: sign packing, Hamming scoring, histogram-threshold top-k selection.
+//
+// Semantics are those of kernels/cpu.py, bit for bit:
+//   bit j of word w = x[row, 64 w + j] > 0;
+//   score[h, t] = sum_{g < G, w < W} popcount(~(q[h G + g, w] ^ k[h, w, t]));
+//   selection of r middle tokens per head: every score above the cut, then the lowest-index
+//   tokens scoring exactly the cut (equal scores -> lower token index first), ascending.
+//
+// Shapes (row-major, int64 offsets): q (H, W), k (Hkv, W, N), scores (Hkv, stride),
+// hist (Hkv, bins), params (Hkv, 2) = {cut, ties taken at the cut}, seg_counts (Hkv, segs, 2),
+// out (Hkv, K). Compiled lazily by CuPy (kernels/cuda.py); `nvcc -cubin` checks it in the tests.
+
+typedef unsigned long long u64;
+
+#define FULL_MASK 0xffffffffu
+
+// ---------------------------------------------------------------------------------- packing
+
+// One thread per output word. x holds the IEEE bit patterns of the floats (U = 16, 32 or 64-bit
+// unsigned): x > 0 exactly when 0 < bits <= bits(+inf) (negatives and NaNs compare above +inf).
+// Output word (row, w) goes to out[(row / rows_per_head) * head_stride + (row % rows_per_head)
+// * row_stride + w * word_stride + base], which covers plain (..., W) and word-major buffers.
+template <typename U>
+__global__ void pack_rows(const U* __restrict__ x, u64* __restrict__ out, long long rows, int bits,
+                          int words, long long rows_per_head, long long head_stride,
+                          long long row_stride, long long word_stride, long long base, U inf_bits) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * words) return;
+    long long row = i / words;
+    int w = (int)(i % words);
+    const U* src = x + row * bits + 64LL * w;
+    int count = min(64, bits - 64 * w);
+    u64 word = 0;
+    for (int j = 0; j < count; ++j) {
+        U b = src[j];
+        if (b != 0 && b <= inf_bits) word |= 1ULL << j;
+    }
+    long long head = row / rows_per_head, token = row % rows_per_head;
+    out[head * head_stride + token * row_stride + (long long)w * word_stride + base] = word;
+}
+
+template __global__ void pack_rows<unsigned short>(const unsigned short*, u64*, long long, int, int,
+                                                   long long, long long, long long, long long,
+                                                   long long, unsigned short);
+template __global__ void pack_rows<unsigned int>(const unsigned int*, u64*, long long, int, int,
+                                                 long long, long long, long long, long long,
+                                                 long long, unsigned int);
+template __global__ void pack_rows<u64>(const u64*, u64*, long long, int, int, long long, long long,
+                                        long long, long long, long long, u64);
+
+// ---------------------------------------------------------------------------------- block scan
+
+// Exclusive prefix sum of v over the block (blockDim a multiple of 32, at most 1024);
+// *total receives the block sum. Every thread of the block must call it.
+__device__ int block_exclusive_scan(int v, int* total) {
+    __shared__ int warp_sums[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(FULL_MASK, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int s = lane < warps ? warp_sums[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(FULL_MASK, s, o);
+            if (lane >= o) s += y;
+        }
+        warp_sums[lane] = s;  // inclusive sums over warps
+    }
+    __syncthreads();
+    int before = warp ? warp_sums[warp - 1] : 0;
+    *total = warp_sums[warps - 1];
+    __syncthreads();  // warp_sums is reused by the next call
+    return before + x - v;
+}
+
+// ---------------------------------------------------------------------------------- scoring
+
+// grid (x: token blocks, y: KV head); shared memory: ~q of the head's G query codes (G * W u64),
+// then, when hist != nullptr, a (bins,) int histogram of the scores of tokens [lo, hi).
+extern "C" __global__ void hamming_scores(const u64* __restrict__ q, const u64* __restrict__ k,
+                                          int* __restrict__ scores, int n, long long capacity,
+                                          long long score_stride, int group, int words,
+                                          int* __restrict__ hist, int bins, int lo, int hi) {
+    extern __shared__ u64 shared[];
+    u64* qs = shared;
+    int* hs = (int*)(shared + group * words);
+    int h = blockIdx.y, gw = group * words;
+    for (int i = threadIdx.x; i < gw; i += blockDim.x) qs[i] = ~q[(long long)h * gw + i];
+    if (hist)
+        for (int i = threadIdx.x; i < bins; i += blockDim.x) hs[i] = 0;
+    __syncthreads();
+    const u64* kh = k + (long long)h * words * capacity;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n;
+         t += (long long)gridDim.x * blockDim.x) {
+        int s = 0;
+        for (int w = 0; w < words; ++w) {
+            u64 x = kh[w * capacity + t];
+            for (int g = 0; g < group; ++g) s += __popcll(qs[g * words + w] ^ x);
+        }
+        scores[h * score_stride + t] = s;
+        if (hist && t >= lo && t < hi) atomicAdd(&hs[s], 1);
+    }
+    if (!hist) return;
+    __syncthreads();
+    for (int i = threadIdx.x; i < bins; i += blockDim.x)
+        if (hs[i]) atomicAdd(&hist[(long long)h * bins + i], hs[i]);
+}
+
+// grid (x: token blocks, y: KV head): histogram of scores[h, lo:hi) into hist (Hkv, bins).
+extern "C" __global__ void score_histogram(const int* __restrict__ scores, long long score_stride,
+                                           int lo, int hi, int* __restrict__ hist, int bins) {
+    extern __shared__ int hs[];
+    int h = blockIdx.y;
+    for (int i = threadIdx.x; i < bins; i += blockDim.x) hs[i] = 0;
+    __syncthreads();
+    for (long long t = lo + (long long)blockIdx.x * blockDim.x + threadIdx.x; t < hi;
+         t += (long long)gridDim.x * blockDim.x)
+        atomicAdd(&hs[scores[h * score_stride + t]], 1);
+    __syncthreads();
+    for (int i = threadIdx.x; i < bins; i += blockDim.x)
+        if (hs[i]) atomicAdd(&hist[(long long)h * bins + i], hs[i]);
+}
+
+// ---------------------------------------------------------------------------------- selection
+
+// One block per head: cut = the largest score v with #(score >= v) >= r, and the number of
+// tokens to take at the cut, ties = r - #(score > cut). Each thread owns a run of bins.
+extern "C" __global__ void select_cut(const int* __restrict__ hist, int bins, int r,
+                                      int* __restrict__ params) {
+    int h = blockIdx.x;
+    const int* hh = hist + (long long)h * bins;
+    int per = (bins + blockDim.x - 1) / blockDim.x;
+    int b0 = min(bins, threadIdx.x * per), b1 = min(bins, b0 + per);
+    int mine = 0;
+    for (int v = b0; v < b1; ++v) mine += hh[v];
+    int total;
+    int below = block_exclusive_scan(mine, &total);
+    int above = total - below - mine;  // tokens in bins >= b1
+    for (int v = b1 - 1; v >= b0; --v) {
+        if (above < r && above + hh[v] >= r) {
+            params[2 * h] = v;
+            params[2 * h + 1] = r - above;
+        }
+        above += hh[v];
+    }
+}
+
+// grid (x: segments of `seg` tokens of [lo, hi), y: head): per segment, how many tokens score
+// above the cut and how many score exactly the cut.
+extern "C" __global__ void select_count(const int* __restrict__ scores, long long score_stride,
+                                        int lo, int hi, int seg, const int* __restrict__ params,
+                                        int* __restrict__ seg_counts) {
+    int h = blockIdx.y, cut = params[2 * h];
+    int s0 = lo + blockIdx.x * seg, s1 = min(hi, s0 + seg);
+    int packed = 0;  // above + (ties << 16): a block segment holds fewer than 65536 of each
+    for (int t = s0 + threadIdx.x; t < s1; t += blockDim.x) {
+        int s = scores[h * score_stride + t];
+        packed += (s > cut) + ((s == cut) << 16);
+    }
+    int total;
+    block_exclusive_scan(packed, &total);
+    if (threadIdx.x == 0) {
+        int* c = seg_counts + ((long long)h * gridDim.x + blockIdx.x) * 2;
+        c[0] = total & 0xffff;
+        c[1] = total >> 16;
+    }
+}
+
+// One block per head: seg_counts -> exclusive prefix sums over segments (in place), and the
+// forced indices: out[h, :sinks_end] = 0.., out[h, sinks_end + r:] = window_start..n-1.
+extern "C" __global__ void select_offsets(int* __restrict__ seg_counts, int segs, int n,
+                                          int sinks_end, int window_start, int r,
+                                          int* __restrict__ out, int out_stride) {
+    int h = blockIdx.x;
+    int* c = seg_counts + (long long)h * segs * 2;
+    int carry_above = 0, carry_ties = 0;
+    for (int s0 = 0; s0 < segs; s0 += blockDim.x) {
+        int i = s0 + threadIdx.x;
+        int above = i < segs ? c[2 * i] : 0, ties = i < segs ? c[2 * i + 1] : 0;
+        int total_above, total_ties;
+        int before_above = block_exclusive_scan(above, &total_above);
+        int before_ties = block_exclusive_scan(ties, &total_ties);
+        if (i < segs) {
+            c[2 * i] = carry_above + before_above;
+            c[2 * i + 1] = carry_ties + before_ties;
+        }
+        carry_above += total_above;
+        carry_ties += total_ties;
+    }
+    int* row = out + (long long)h * out_stride;
+    for (int t = threadIdx.x; t < sinks_end; t += blockDim.x) row[t] = t;
+    for (int t = window_start + threadIdx.x; t < n; t += blockDim.x)
+        row[sinks_end + r + t - window_start] = t;
+}
+
+// grid (x: segments, y: head): ordered compaction. A token scoring above the cut, or scoring
+// the cut with fewer than `ties` equal tokens before it, goes to position
+// #(above before it) + min(#(ties before it), ties) of the retrieved part of out[h].
+extern "C" __global__ void select_write(const int* __restrict__ scores, long long score_stride,
+                                        int lo, int hi, int seg, const int* __restrict__ params,
+                                        const int* __restrict__ seg_offsets, int sinks_end,
+                                        int* __restrict__ out, int out_stride) {
+    int h = blockIdx.y, cut = params[2 * h], ties = params[2 * h + 1];
+    const int* o = seg_offsets + ((long long)h * gridDim.x + blockIdx.x) * 2;
+    int above_before = o[0], ties_before = o[1];
+    int* dest = out + (long long)h * out_stride + sinks_end;
+    int s0 = lo + blockIdx.x * seg, s1 = min(hi, s0 + seg);
+    for (int t0 = s0; t0 < s1; t0 += blockDim.x) {  // uniform trip count: the scan needs all threads
+        int t = t0 + threadIdx.x;
+        int s = t < s1 ? scores[h * score_stride + t] : -1;
+        int gt = s > cut, tie = s == cut;
+        int total;
+        int before = block_exclusive_scan(gt + (tie << 16), &total);
+        int a = above_before + (before & 0xffff), e = ties_before + (before >> 16);
+        if (gt || (tie && e < ties)) dest[a + min(e, ties)] = t;
+        above_before += total & 0xffff;
+        ties_before += total >> 16;
+    }
+}

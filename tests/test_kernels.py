@@ -1,0 +1,360 @@
+"""Retrieval kernels: every backend against brute-force references, one test body per backend.
+
+Backends: "cpu" (numba), "numpy" (the pure-numpy fallback) and "cuda" (gpu marker: skipped
+without a GPU). Inputs are built on the host with numpy and moved to the backend's device;
+results come back to the host and are compared whole, exactly.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kernels
+from kernels import cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+CU_SOURCES = sorted((ROOT / "kernels").glob("*.cu"))
+SINKS, WINDOW = 4, 64
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+
+    def put(self, a: np.ndarray):
+        if self.name != "cuda":
+            return a
+        import cupy
+
+        return cupy.asarray(a)
+
+    def get(self, a) -> np.ndarray:
+        if self.name != "cuda":
+            return np.asarray(a)
+        import cupy
+
+        return cupy.asnumpy(a)
+
+
+@pytest.fixture(params=[
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")),
+    "numpy",
+    pytest.param("cuda", marks=pytest.mark.gpu),
+])
+def backend(request):
+    with kernels.use_backend(request.param):
+        yield Backend(request.param)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def ref_pack(x: np.ndarray) -> np.ndarray:
+    """Bit j of word w is x[..., 64 w + j] > 0, one Python int per word."""
+    flat = x.reshape(-1, x.shape[-1])
+    words = -(-x.shape[-1] // 64)
+    out = np.zeros((flat.shape[0], words), np.uint64)
+    for i, row in enumerate(flat):
+        for w in range(words):
+            out[i, w] = sum(1 << j for j, v in enumerate(row[64 * w : 64 * w + 64]) if v > 0)
+    return out.reshape(x.shape[:-1] + (words,))
+
+
+def ref_scores(q: np.ndarray, k: np.ndarray, n: int) -> np.ndarray:
+    """Matching bits: sum over the group's query heads and all words of 64 - popcount(q ^ k)."""
+    hkv, words, _ = k.shape
+    group = q.shape[0] // hkv
+    out = np.zeros((hkv, n), np.int64)
+    for h in range(hkv):
+        for g in range(group):
+            for w in range(words):
+                out[h] += 64 - np.bitwise_count(q[h * group + g, w] ^ k[h, w, :n]).astype(np.int64)
+    return out
+
+
+def ref_select(s: np.ndarray, k: int, sinks: int, window: int) -> np.ndarray:
+    """Forced sinks and window, plus the first k others sorted by (-score, index); ascending."""
+    hkv, n = s.shape
+    forced = set(range(min(sinks, n))) | set(range(max(n - window, 0), n))
+    rows = []
+    for h in range(hkv):
+        others = sorted((t for t in range(n) if t not in forced), key=lambda t: (-int(s[h, t]), t))
+        rows.append(sorted(forced | set(others[:k])))
+    return np.array(rows, np.int32).reshape(hkv, -1)
+
+
+def random_codes(rng, hkv: int, group: int, words: int, capacity: int, distinct: int = 0):
+    """(q_codes (H, W), k_codes (Hkv, W, N)); distinct > 0 draws keys from that few codes (ties)."""
+    q = rng.integers(0, 2**64, size=(hkv * group, words), dtype=np.uint64)
+    if not distinct:
+        return q, rng.integers(0, 2**64, size=(hkv, words, capacity), dtype=np.uint64)
+    pool = rng.integers(0, 2**64, size=(distinct, words), dtype=np.uint64)
+    k = pool[rng.integers(0, distinct, size=(hkv, capacity))]  # (Hkv, N, W)
+    return q, np.ascontiguousarray(k.transpose(0, 2, 1))  # (Hkv, W, N)
+
+
+# (Hkv, G, W, n): odd sizes; few distinct (G, W) pairs keep the JIT's cold compile short
+CASES = [(1, 1, 1, 1), (2, 3, 2, 13), (3, 3, 2, 255), (2, 4, 4, 1000), (1, 4, 3, 4097), (3, 1, 1, 300)]
+
+
+# ----------------------------------------------------------------------------- pack
+
+
+def test_pack_bit_order_known_vectors(backend):
+    x = np.zeros((2, 70), np.float32)
+    x[0, [0, 3, 63, 64, 69]] = [1.0, 0.5, 2.0, 1e-30, 7.0]
+    x[1, [1, 2, 65]] = [-1.0, np.inf, 3.0]
+    x[1, [5, 6, 7]] = [np.nan, -0.0, -np.inf]  # none of these is > 0
+    expected = np.array([[1 | 8 | 1 << 63, 1 | 1 << 5], [4, 2]], np.uint64)
+    np.testing.assert_array_equal(backend.get(kernels.pack(backend.put(x))), expected)
+
+
+@pytest.mark.parametrize("bits", [1, 63, 64, 65, 128, 200])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_pack_matches_reference(backend, bits, dtype):
+    x = np.random.default_rng(bits).standard_normal((3, 5, bits)).astype(dtype)
+    np.testing.assert_array_equal(backend.get(kernels.pack(backend.put(x))), ref_pack(x))
+
+
+def test_pack_out_buffer_is_reused(backend):
+    rng = np.random.default_rng(0)
+    out = backend.put(np.zeros((4, 2), np.uint64))
+    for _ in range(2):
+        x = rng.standard_normal((4, 128)).astype(np.float32)
+        assert kernels.pack(backend.put(x), out=out) is out
+        np.testing.assert_array_equal(backend.get(out), ref_pack(x))
+
+
+@pytest.mark.parametrize("bits", [64, 100, 128])
+def test_pack_into_incremental_equals_all_at_once(backend, bits):
+    rng = np.random.default_rng(bits)
+    hkv, n, capacity = 3, 300, 320
+    keys = rng.standard_normal((hkv, n, bits)).astype(np.float32)
+    expected = np.zeros((hkv, -(-bits // 64), capacity), np.uint64)
+    expected[:, :, :n] = ref_pack(keys).transpose(0, 2, 1)
+    buffer = backend.put(np.zeros_like(expected))
+    start = 0
+    for count in [1, 7, 100, 0, 64, 128]:
+        kernels.pack_into(backend.put(np.ascontiguousarray(keys[:, start : start + count])), buffer, start)
+        start += count
+    assert start == n
+    np.testing.assert_array_equal(backend.get(buffer), expected)
+
+
+def test_pack_torch_cpu_tensors_match_numpy():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 3, 130)
+    expected = ref_pack(x.numpy())
+    np.testing.assert_array_equal(kernels.pack(x), expected)
+    np.testing.assert_array_equal(kernels.pack(x.to(torch.bfloat16)), ref_pack(x.to(torch.bfloat16).float().numpy()))
+    out = torch.zeros(2, 3, 3, dtype=torch.uint64)
+    kernels.pack(x, out=out)
+    np.testing.assert_array_equal(out.numpy(), expected)
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+@pytest.mark.parametrize("hkv,group,words,n", CASES)
+def test_scores_equal_brute_force(backend, hkv, group, words, n):
+    q, k = random_codes(np.random.default_rng(n), hkv, group, words, n + 5)
+    got = backend.get(kernels.scores(backend.put(q), backend.put(k), n))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, ref_scores(q, k, n))
+
+
+def test_scores_count_padding_bits_as_matches(backend):
+    """Codes of 100-bit vectors: the 28 zero padding bits match for every token (Python-int check)."""
+    rng = np.random.default_rng(7)
+    q = ref_pack(rng.standard_normal((3, 100)).astype(np.float32))  # (3, 2): G = 3 query heads
+    k = ref_pack(rng.standard_normal((1, 9, 100)).astype(np.float32)).transpose(0, 2, 1).copy()  # (1, 2, 9)
+    expected = [[sum(64 - (int(q[g, w]) ^ int(k[0, w, t])).bit_count() for g in range(3) for w in range(2))
+                 for t in range(9)]]
+    np.testing.assert_array_equal(backend.get(kernels.scores(backend.put(q), backend.put(k), 9)), expected)
+
+
+def test_scores_out_buffer_is_reused(backend):
+    rng = np.random.default_rng(1)
+    out = backend.put(np.zeros((2, 50), np.int32))
+    for _ in range(2):
+        q, k = random_codes(rng, 2, 3, 2, 64)
+        assert kernels.scores(backend.put(q), backend.put(k), 50, out=out) is out
+        np.testing.assert_array_equal(backend.get(out), ref_scores(q, k, 50))
+
+
+# ----------------------------------------------------------------------------- select
+
+
+def budgets(n: int) -> list[int]:
+    return sorted({0, 1, 3, n // 10, n // 2, n, n + 100})
+
+
+def check_selection(got: np.ndarray, s: np.ndarray, k: int, sinks: int, window: int) -> None:
+    n = s.shape[1]
+    layout = kernels.selection_layout(n, k, sinks, window)
+    assert got.dtype == np.int32 and got.shape == (s.shape[0], layout.size)
+    forced = np.r_[0 : min(sinks, n), max(n - window, 0) : n]
+    for row in got:
+        assert np.all(np.diff(row) > 0), "ascending and unique"
+        assert np.isin(forced, row).all(), "sinks and window always selected"
+    np.testing.assert_array_equal(got, ref_select(s, k, sinks, window))
+
+
+@pytest.mark.parametrize("hkv,group,words,n", CASES)
+@pytest.mark.parametrize("distinct", [0, 3, 1])  # random codes, few distinct codes, all equal
+def test_select_and_score_select_equal_brute_force(backend, hkv, group, words, n, distinct):
+    q, k = random_codes(np.random.default_rng(n + distinct), hkv, group, words, n + 3, distinct)
+    s = ref_scores(q, k, n)
+    dq, dk = backend.put(q), backend.put(k)
+    scratch = kernels.make_scratch(dq, dk)
+    for budget in budgets(n):
+        check_selection(backend.get(kernels.select(backend.put(s.astype(np.int32)), budget, SINKS, WINDOW)),
+                        s, budget, SINKS, WINDOW)
+        fused = kernels.score_select(dq, dk, n, budget, SINKS, WINDOW, scratch=scratch)
+        check_selection(backend.get(fused), s, budget, SINKS, WINDOW)
+
+
+@pytest.mark.parametrize("sinks,window", [(0, 0), (0, 5), (7, 0), (600, 600), (1, 1)])
+def test_select_sinks_and_window_edges(backend, sinks, window):
+    rng = np.random.default_rng(sinks + window)
+    q, k = random_codes(rng, 2, 3, 2, 1000, distinct=5)
+    s = ref_scores(q, k, 1000)
+    for budget in [0, 10, 1000]:
+        check_selection(backend.get(kernels.select(backend.put(s.astype(np.int32)), budget, sinks, window)),
+                        s, budget, sinks, window)
+        check_selection(backend.get(kernels.score_select(backend.put(q), backend.put(k), 1000, budget, sinks, window)),
+                        s, budget, sinks, window)
+
+
+def test_select_all_equal_scores_take_lowest_indices(backend):
+    s = np.full((2, 200), 7, np.int32)
+    expected = np.tile(np.r_[0:4, 4:14, 136:200], (2, 1)).astype(np.int32)
+    np.testing.assert_array_equal(backend.get(kernels.select(backend.put(s), 10, SINKS, WINDOW)), expected)
+
+
+def test_select_handles_other_integer_dtypes(backend):
+    s = np.random.default_rng(3).integers(0, 300, size=(3, 700)).astype(np.uint16)
+    got = backend.get(kernels.select(backend.put(s), 20, SINKS, WINDOW))
+    np.testing.assert_array_equal(got, ref_select(s, 20, SINKS, WINDOW))
+
+
+def test_select_and_score_select_reuse_out_and_scratch(backend):
+    """One capacity-sized code buffer, growing n: the same out / scratch serve every step."""
+    rng = np.random.default_rng(11)
+    q, k = random_codes(rng, 3, 3, 2, 2048, distinct=40)
+    dq, dk = backend.put(q), backend.put(k)
+    scratch = kernels.make_scratch(dq, dk)
+    for n in [1, 100, 1500, 2048]:
+        layout = kernels.selection_layout(n, 30, SINKS, WINDOW)
+        out = backend.put(np.full((3, layout.size), -1, np.int32))
+        for _ in range(2):
+            assert kernels.score_select(dq, dk, n, 30, SINKS, WINDOW, out=out, scratch=scratch) is out
+            np.testing.assert_array_equal(backend.get(out), ref_select(ref_scores(q, k, n), 30, SINKS, WINDOW))
+        assert kernels.select(backend.put(ref_scores(q, k, n).astype(np.int32)), 30, SINKS, WINDOW, out=out) is out
+
+
+def test_empty_cache_selects_nothing(backend):
+    q, k = random_codes(np.random.default_rng(0), 2, 3, 2, 16)
+    got = backend.get(kernels.score_select(backend.put(q), backend.put(k), 0, 10, SINKS, WINDOW))
+    assert got.shape == (2, 0)
+
+
+# ----------------------------------------------------------------------------- gather
+
+
+def test_gather_equals_take(backend):
+    rng = np.random.default_rng(5)
+    kv = rng.standard_normal((3, 257, 64)).astype(np.float32)
+    idx = np.sort(rng.choice(257, size=(3, 40)), axis=1).astype(np.int32)
+    expected = np.stack([kv[h][idx[h]] for h in range(3)])
+    out = backend.put(np.zeros_like(expected))
+    assert kernels.gather(backend.put(kv), backend.put(idx), out=out) is out
+    np.testing.assert_array_equal(backend.get(out), expected)
+
+
+# ----------------------------------------------------------------------------- dispatch, errors
+
+
+def test_bad_shapes_and_dtypes_raise_value_error(backend):
+    q, k = random_codes(np.random.default_rng(0), 2, 3, 2, 16)
+    with pytest.raises(ValueError, match="does not match"):
+        kernels.scores(backend.put(q[:, :1].copy()), backend.put(k), 16)
+    with pytest.raises(ValueError, match="capacity"):
+        kernels.scores(backend.put(q), backend.put(k), 17)
+    with pytest.raises(ValueError, match="uint64"):
+        kernels.scores(backend.put(q.astype(np.float64)), backend.put(k), 16)
+    with pytest.raises(ValueError, match=">= 0"):
+        kernels.select(backend.put(np.full((1, 200), -1, np.int32)), 5, SINKS, WINDOW)
+    with pytest.raises(ValueError, match="out must"):
+        kernels.scores(backend.put(q), backend.put(k), 16, out=backend.put(np.zeros((2, 15), np.int32)))
+
+
+def test_int64_codes_are_accepted_as_the_same_bits(backend):
+    q, k = random_codes(np.random.default_rng(2), 2, 3, 2, 40)
+    got = kernels.scores(backend.put(q.view(np.int64)), backend.put(k.view(np.int64)), 40)
+    np.testing.assert_array_equal(backend.get(got), ref_scores(q, k, 40))
+
+
+def test_dispatch_follows_array_type():
+    torch = pytest.importorskip("torch")
+    assert kernels.backend_of(np.zeros(1)) == "cpu"
+    assert kernels.backend_of(torch.zeros(1)) == "cpu"
+    with pytest.raises(TypeError):
+        kernels.backend_of([1, 2])
+    with pytest.raises(ValueError, match="unknown backend"):
+        with kernels.use_backend("tpu"):
+            pass
+
+
+def test_torch_cpu_tensors_are_used_zero_copy():
+    torch = pytest.importorskip("torch")
+    q, k = random_codes(np.random.default_rng(4), 2, 3, 2, 300)
+    tq, tk = torch.from_numpy(q), torch.from_numpy(k)
+    layout = kernels.selection_layout(300, 20, SINKS, WINDOW)
+    out = torch.zeros(2, layout.size, dtype=torch.int32)
+    kernels.score_select(tq, tk, 300, 20, SINKS, WINDOW, out=out)
+    np.testing.assert_array_equal(out.numpy(), ref_select(ref_scores(q, k, 300), 20, SINKS, WINDOW))
+
+
+def test_import_does_not_import_cupy():
+    code = "import sys, kernels; kernels.scores; assert 'cupy' not in sys.modules, 'cupy imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_cuda_without_gpu_raises_clear_error():
+    try:
+        import cupy
+
+        if cupy.is_available():
+            pytest.skip("a GPU is present")
+    except ImportError:
+        pass
+    with pytest.raises(kernels.CudaUnavailable, match="CUDA requested but no GPU is available"):
+        with kernels.use_backend("cuda"):
+            pass
+
+
+# ----------------------------------------------------------------------------- CUDA sources
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source", CU_SOURCES, ids=lambda p: p.name)
+def test_cuda_sources_compile_to_cubin(tmp_path, source, arch):
+    from kernels.cuda import OPTIONS
+
+    cubin = tmp_path / f"{source.stem}.{arch}.cubin"
+    run = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", *OPTIONS, str(source), "-o", str(cubin)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert cubin.stat().st_size > 0
+
+
+def test_there_are_cuda_sources():
+    assert [p.name for p in CU_SOURCES] == ["retrieval.cu"]
