@@ -11,8 +11,9 @@ torch tensors run on kernels/cuda.py and return CuPy arrays. `use_backend(name)`
 ("cpu", "numpy" or "cuda"), for tests and benchmarks. Both backends give bit-identical integer
 results; the semantics (bit order, scores, the tie rule) are written once in kernels/cpu.py.
 
-Importing this package never imports cupy; the CUDA backend raises `CudaUnavailable` when asked
-for without a usable GPU. Packed codes may be given as uint64 or int64 (same bits).
+CPU threads: `set_threads(n)` (default 1, measured in kernels/cpu.py). Importing this package
+never imports cupy; the CUDA backend raises `CudaUnavailable` when asked for without a usable
+GPU. Packed codes may be given as uint64 or int64 (same bits).
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ import functools
 import types
 
 from . import cpu
-from .cpu import Layout, Scratch, selection_layout, words_for
+from .cpu import Layout, Scratch, selection_layout, set_threads, words_for
 
 __all__ = [
     "pack", "pack_into", "scores", "select", "score_select", "make_scratch", "gather",
     "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
+    "set_threads",
 ]
 
 BACKENDS = ("cpu", "numpy", "cuda")
@@ -101,13 +103,14 @@ def scores(q_codes, k_codes, n: int, out=None):
     return _pick(k_codes).scores(q_codes, k_codes, n, out=out)
 
 
-def select(scores_, k: int, sinks: int, window: int, out=None):
+def select(scores_, k: int, sinks: int, window: int, out=None, scratch=None):
     """int32 (Hkv, K) ascending: tokens [0, sinks) and [n - window, n), plus the top-k others.
 
     Ties: equal scores -> lower token index first. K = selection_layout(n, k, sinks, window).size,
     the same for every head; out: C-contiguous int32 (Hkv, K). Scores must be small ints >= 0.
+    scratch: optional make_scratch(...) buffers, used when they fit (else allocated per call).
     """
-    return _pick(scores_).select(scores_, k, sinks, window, out=out)
+    return _pick(scores_).select(scores_, k, sinks, window, out=out, scratch=scratch)
 
 
 def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=None, scratch=None):
@@ -124,5 +127,5 @@ def make_scratch(q_codes, k_codes):
 
 
 def gather(kv, idx, out=None):
-    """out[h, j] = kv[h, idx[h, j]]: kv (Hkv, N, D), idx (Hkv, K) -> (Hkv, K, D), kv's dtype."""
+    """out[h, j] = kv[h, idx[h, j]]: kv (Hkv, N, D), idx (Hkv, K) -> (Hkv, K, D), kv's dtype and array type."""
     return _pick(kv).gather(kv, idx, out=out)

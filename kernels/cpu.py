@@ -15,18 +15,25 @@ Semantics, written once (kernels/cuda.py and kernels/*.cu match them bit for bit
     min(k, n - |forced|) of the middle tokens by score, **equal scores -> lower index first**,
     returned as ascending int32 indices; K is the same for every head.
 
-Speed (measured in this repository's bench/retrieval.py, AMD EPYC Zen 5, 2 cores, see
-docs/RESULTS.md): the numba path scores one token of one KV head in ~0.2 ns per (g, w) word pair
-with AVX-512 VPOPCNTQ (~1 ns with AVX2 only), i.e. faster than DRAM delivers the codes. The
-fused `score_select` never stores the full score row: it keeps, per (head, token range), the
-tokens that beat a running lower bound of the k-th best score (`_scan_range`), which is a few
-percent of the range, so the whole step reads each code once. numpy's `bitwise_count` path,
-which makes 3 passes per (g, w) over chunks, was 3-6x slower (bench/retrieval.py rows `numpy`).
+Implementation, chosen by measurement (bench/retrieval.py; numbers in docs/RESULTS.md):
+  * scoring is a numba loop specialised on constant G and W (`tags`), which LLVM unrolls and
+    vectorises over tokens (VPOPCNTQ with AVX-512, pshufb nibble counts with AVX2). It scores a
+    token's G * W word pairs faster than DRAM delivers its codes; numpy's `bitwise_count` makes
+    three passes per (g, w) and was 5-10x slower (the `numpy` rows); torch has no popcount.
+  * `score_select` never stores the score rows: one pass per (head, token run) keeps only the
+    tokens that beat a running lower bound of the k-th best score (`_scan_codes`), about
+    k (1 + ln(n / k)) of them, then a histogram threshold over those candidates gives the cut
+    and the tie quota (`_finish_head`): linear time, no sort, each code read once. `select`
+    runs the same scan over given scores.
+  * threads: `set_threads(n)`, default 1 (why: its docstring). All heads' tokens are cut into one
+    run per thread. numba's threading layer here is OpenMP: calls from several Python threads
+    at once are safe.
+Without numba every function falls back to numpy (same results, several times slower).
 """
 from __future__ import annotations
 
-import math
 import sys
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,7 +55,8 @@ WORD_BITS = 64
 # Bit pattern of +inf per float type: x > 0 exactly when 0 < bits(x) <= bits(+inf) read as an
 # unsigned int (negative numbers and NaNs compare above +inf); numba has no float16, CUDA no bf16.
 INF_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, "float64": 0x7FF0000000000000}
-TILE = 512  # tokens scored per inner tile: W * TILE words of codes stay in L1
+TILE = 512  # tokens scored per inner tile (a multiple of 64): W * TILE words of codes stay in L1
+GATHER_BYTE_BITS = np.uint64(0x0102040810204080)  # (8 bytes of 0/1) * this >> 56 = those 8 bits
 NUMPY_CHUNK = 16384  # tokens per chunk of the numpy fallback (a few hundred KiB, L2-resident)
 
 
@@ -194,17 +202,6 @@ if HAVE_NUMBA:
             for t in range(sinks_end, sinks_end + retrieved):
                 out[h, t] = t
 
-    @njit(cache=True)
-    def _gather_jit(kv, idx, out):
-        """out[h, j] = kv[h, idx[h, j]] row by row (no advanced indexing)."""
-        hkv, count = idx.shape
-        for h in range(hkv):
-            for j in range(count):
-                src = kv[h, idx[h, j]]
-                dst = out[h, j]
-                for d in range(src.size):
-                    dst[d] = src[d]
-
     def tags(group: int, words: int) -> tuple[tuple, tuple]:
         """Compile-time G and W: tuples of these lengths, whose len() numba folds to a constant.
 
@@ -225,8 +222,9 @@ if HAVE_NUMBA:
                 x = kf[np.uint64(w * capacity + t0) + i]
                 for g in range(len(g_tag)):
                     s += popcount(qh[g * len(w_tag) + w] ^ x)
-            tile[i] = s
-            flags[i] = s > bound
+            v = np.int32(s)
+            tile[i] = v
+            flags[i] = v > bound
 
     @njit(cache=True)
     def _tile_flags(row, t0, count, bound, flags):
@@ -238,14 +236,18 @@ if HAVE_NUMBA:
     def _collect(tile, flags, count, t0, cand_index, cand_score, kept):
         """Append the flagged tokens of a tile (t0 + i, tile[i]) in order; returns the new total.
 
-        Reads the 0/1 flag bytes 8 at a time: time goes to the few flagged tokens only.
+        The 0/1 flag bytes become one 64-bit mask per 64 tokens (a multiply gathers bit 0 of
+        each of 8 bytes into the top byte), whose set bits are walked with TZCNT: time goes to
+        the flagged tokens, with about one mispredicted branch per 64 tokens.
         """
-        flags[count : -(-count // 8) * 8] = 0
+        flags[count : -(-count // 64) * 64] = 0
         words = flags.view(np.uint64)
-        for j in range(-(-count // 8)):
-            bits = words[j]
+        for j in range(-(-count // 64)):
+            bits = np.uint64(0)
+            for b in range(8):
+                bits |= ((words[8 * j + b] * GATHER_BYTE_BITS) >> np.uint64(56)) << np.uint64(8 * b)
             while bits:
-                i = 8 * j + (trailing_zeros(bits) >> np.uint64(3))
+                i = 64 * j + np.int64(trailing_zeros(bits))
                 cand_index[kept] = t0 + i
                 cand_score[kept] = tile[i]
                 kept += 1
@@ -273,26 +275,33 @@ if HAVE_NUMBA:
         `hist` counts the kept candidates, which are all the seen tokens above the old bound.
         """
         hist[:] = 0
-        bound, above, kept = -1, 0, 0  # above = candidates scoring >= bound + 1
-        for t0 in range(lo, hi, TILE):
-            count = min(TILE, hi - t0)
+        bound, above, kept, t0 = -1, 0, 0, lo  # above = candidates scoring >= bound + 1
+        while t0 < hi:
+            count = _tile_size(t0 - lo, hi - t0, r)
             _tile_scores(qh, kf, capacity, t0, count, bound, tile, flags, g_tag, w_tag)
             start = kept
             kept = _collect(tile, flags, count, t0, cand_index, cand_score, kept)
             bound, above = _raise_bound(hist, cand_score, start, kept, bound, above, r)
+            t0 += count
         return kept
+
+    @njit(cache=True)
+    def _tile_size(seen, left, r):
+        """Tokens in the next tile: small while few tokens are seen, so the bound rises early."""
+        return min(left, TILE, max(64, (max(r, seen // 2) + 63) // 64 * 64))
 
     @njit(cache=True)
     def _scan_scores(row, lo, hi, r, flags, hist, cand_index, cand_score):
         """_scan_codes for given scores row (N,)."""
         hist[:] = 0
-        bound, above, kept = -1, 0, 0
-        for t0 in range(lo, hi, TILE):
-            count = min(TILE, hi - t0)
+        bound, above, kept, t0 = -1, 0, 0, lo
+        while t0 < hi:
+            count = _tile_size(t0 - lo, hi - t0, r)
             _tile_flags(row, t0, count, bound, flags)
             start = kept
             kept = _collect(row[t0:], flags, count, t0, cand_index, cand_score, kept)
             bound, above = _raise_bound(hist, cand_score, start, kept, bound, above, r)
+            t0 += count
         return kept
 
     @njit(cache=True)
@@ -306,66 +315,82 @@ if HAVE_NUMBA:
         return -1, total  # unreachable when sum(hist) >= r
 
     @njit(cache=True)
-    def _finish_head(h, parts, layout, counts, hist, cand_index, cand_score, dest):
+    def _piece(chunk, h, chunks, hkv, m):
+        """Middle offsets [lo, hi) of head h scanned by thread chunk `chunk` (empty when lo >= hi).
+
+        The Hkv * m middle tokens of all heads are cut into `chunks` equal runs, one per thread,
+        so a head is split only where a run boundary falls inside it: few splits, even load.
+        Piece (chunk, h) owns row chunk + h of hist and counts (no two non-empty pieces share it).
+        """
+        start, end = chunk * hkv * m // chunks, (chunk + 1) * hkv * m // chunks
+        return max(start - h * m, 0), min(end - h * m, m)
+
+    @njit(cache=True)
+    def _finish_head(h, chunks, layout, counts, hist, cand_index, cand_score, dest):
         """Cut and tie quota from the candidates' histogram, then the ordered, branch-free selection."""
         n, sinks_end, window_start, r = layout
-        total = hist[h * parts]  # NOTE: sums in place into the first item's scratch row
-        for p in range(1, parts):
-            total += hist[h * parts + p]
+        hkv, m = cand_index.shape[0], window_start - sinks_end
+        total, first = hist[h], True  # NOTE: sums in place into the row of the head's first piece
+        for c in range(chunks):
+            lo, hi = _piece(c, h, chunks, hkv, m)
+            if lo < hi and first:
+                total, first = hist[c + h], False
+            elif lo < hi:
+                total += hist[c + h]
         cut, above = _histogram_cut(total, r)
         ties, taken_ties, j = r - above, 0, 0
-        for p in range(parts):
-            base = (window_start - sinks_end) * p // parts
-            for c in range(base, base + counts[h * parts + p]):
+        for c in range(chunks):
+            lo, hi = _piece(c, h, chunks, hkv, m)
+            for i in range(lo, lo + counts[c + h] if lo < hi else lo):
                 if j == r:
                     return
-                s = cand_score[h, c]
+                s = cand_score[h, i]
                 tie = s == cut
-                dest[j] = cand_index[h, c]
+                dest[j] = cand_index[h, i]
                 j += (s > cut) | (tie & (taken_ties < ties))
                 taken_ties += tie
 
-    @njit(cache=True)
-    def _part(item, parts, layout):
-        """(KV head, first token, end token) of work item `item`: a slice of one head's middle."""
-        n, sinks_end, window_start, r = layout
-        h, p, m = item // parts, item % parts, window_start - sinks_end
-        return h, sinks_end + m * p // parts, sinks_end + m * (p + 1) // parts
-
     @njit(parallel=True, cache=True)
-    def _score_select_jit(q, k, layout, parts, tile, flags, hist, cand_index, cand_score, counts, out,
+    def _score_select_jit(q, k, layout, chunks, tile, flags, hist, cand_index, cand_score, counts, out,
                           g_tag, w_tag):
         hkv, _, capacity = k.shape
-        sinks_end, r = layout[1], layout[3]
-        for item in prange(hkv * parts):
-            h, lo, hi = _part(item, parts, layout)
-            qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
-            base = lo - sinks_end
-            counts[item] = _scan_codes(qh, k[h].ravel(), capacity, lo, hi, r, tile[item], flags[item],
-                                       hist[item], cand_index[h, base:], cand_score[h, base:], g_tag, w_tag)
+        n, sinks_end, window_start, r = layout
+        m = window_start - sinks_end
+        for c in prange(chunks):
+            for h in range(hkv):
+                lo, hi = _piece(c, h, chunks, hkv, m)
+                if lo < hi:
+                    qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
+                    counts[c + h] = _scan_codes(qh, k[h].ravel(), capacity, sinks_end + lo, sinks_end + hi, r,
+                                                tile[c], flags[c], hist[c + h], cand_index[h, lo:],
+                                                cand_score[h, lo:], g_tag, w_tag)
         for h in prange(hkv):
-            _finish_head(h, parts, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
+            _finish_head(h, chunks, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
 
     @njit(parallel=True, cache=True)
-    def _select_jit(scores, layout, parts, flags, hist, cand_index, cand_score, counts, out):
-        sinks_end, r = layout[1], layout[3]
-        for item in prange(scores.shape[0] * parts):
-            h, lo, hi = _part(item, parts, layout)
-            base = lo - sinks_end
-            counts[item] = _scan_scores(scores[h], lo, hi, r, flags[item], hist[item],
-                                        cand_index[h, base:], cand_score[h, base:])
-        for h in prange(scores.shape[0]):
-            _finish_head(h, parts, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
+    def _select_jit(scores, layout, chunks, flags, hist, cand_index, cand_score, counts, out):
+        hkv = scores.shape[0]
+        n, sinks_end, window_start, r = layout
+        m = window_start - sinks_end
+        for c in prange(chunks):
+            for h in range(hkv):
+                lo, hi = _piece(c, h, chunks, hkv, m)
+                if lo < hi:
+                    counts[c + h] = _scan_scores(scores[h], sinks_end + lo, sinks_end + hi, r, flags[c],
+                                                 hist[c + h], cand_index[h, lo:], cand_score[h, lo:])
+        for h in prange(hkv):
+            _finish_head(h, chunks, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
 
     @njit(parallel=True, cache=True)
-    def _scores_jit(q, k, n, parts, tile, flags, out, g_tag, w_tag):
+    def _scores_jit(q, k, n, chunks, flags, out, g_tag, w_tag):
         hkv, _, capacity = k.shape
-        for item in prange(hkv * parts):
-            h, p = item // parts, item % parts
-            qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
-            for t0 in range(n * p // parts, n * (p + 1) // parts, TILE):
-                count = min(TILE, n * (p + 1) // parts - t0)
-                _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags[item], g_tag, w_tag)
+        for c in prange(chunks):
+            for h in range(hkv):
+                lo, hi = _piece(c, h, chunks, hkv, n)
+                qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
+                for t0 in range(lo, hi, TILE):
+                    count = min(TILE, hi - t0)
+                    _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags[c], g_tag, w_tag)
 
 
 # ----------------------------------------------------------------------------- scratch
@@ -373,39 +398,74 @@ if HAVE_NUMBA:
 
 @dataclass
 class Scratch:
-    """Preallocated buffers of `score_select` for one (q_codes, k_codes) geometry."""
+    """Preallocated buffers of the candidate scan, for one (q_codes, k_codes) geometry.
 
-    parts: int  # token ranges per head, so that Hkv * parts items split evenly over the threads
-    tile: np.ndarray  # (Hkv * parts, TILE) int32
-    hist: np.ndarray  # (Hkv * parts, S + 1) int64
-    cand_index: np.ndarray  # (Hkv, N) int32
+    The scan cuts all heads' middle tokens into one run per thread; a run covers pieces of one
+    or more heads (`_piece`), so there are at most Hkv + threads - 1 pieces.
+    """
+
+    tile: np.ndarray  # (threads, TILE) int32: scores of one tile
+    flags: np.ndarray  # (threads, TILE) uint8: score > bound
+    hist: np.ndarray  # (pieces, S + 1) int64: candidates per score
+    cand_index: np.ndarray  # (Hkv, N) int32: candidate tokens, each piece from its own offset
     cand_score: np.ndarray  # (Hkv, N) int32
-    counts: np.ndarray  # (Hkv * parts,) int64
+    counts: np.ndarray  # (pieces,) int64: candidates per piece
 
-    def fits(self, hkv: int, group: int, words: int, capacity: int) -> bool:
-        return (self.cand_index.shape == (hkv, capacity) and self.hist.shape[0] == hkv * self.parts
-                and self.hist.shape[1] == group * words * WORD_BITS + 1)
+    def fits(self, hkv: int, bins: int, n: int, chunks: int) -> bool:
+        """Room for Hkv heads of n tokens, scores below `bins`, and `chunks` threads."""
+        return (self.cand_index.shape[0] == hkv and self.cand_index.shape[1] >= n and self.hist.shape[1] >= bins
+                and len(self.tile) >= chunks and len(self.counts) >= hkv + chunks - 1)
+
+
+_threads = 1  # see set_threads
+_applied = threading.local()  # the count last passed to numba.set_num_threads, per Python thread
+
+
+def set_threads(count: int) -> None:
+    """Threads of the numba kernels, process-wide. Default 1.
+
+    NOTE: on a 2-core machine a parallel call waits for both cores, and right after a torch op
+    (whose OpenMP threads spin) or beside any busy process it can wait a whole scheduler tick
+    (4-24 ms, bench/retrieval.py "after torch.mm"); one thread never does, and its score_select
+    already runs within 2x of a single-thread memory read. Raise it on an idle many-core machine.
+    """
+    most = numba.config.NUMBA_NUM_THREADS if HAVE_NUMBA else 1
+    if not 1 <= count <= most:
+        raise ValueError(f"threads must be in [1, {most}] (NUMBA_NUM_THREADS), got {count}")
+    global _threads
+    _threads = count
 
 
 def threads() -> int:
-    return numba.get_num_threads() if HAVE_NUMBA else 1
+    """Threads (and token runs) of the numba kernels."""
+    return _threads
+
+
+def _numba_threads() -> int:
+    """Apply the thread count to numba (a per-Python-thread setting) when it changed; return it."""
+    if getattr(_applied, "count", None) != _threads:
+        numba.set_num_threads(_threads)
+        _applied.count = _threads
+    return threads()
+
+
+def new_scratch(hkv: int, capacity: int, bins: int) -> Scratch:
+    most = max(threads(), numba.config.NUMBA_NUM_THREADS if HAVE_NUMBA else 1)
+    return Scratch(
+        tile=np.empty((most, TILE), np.int32),
+        flags=np.empty((most, TILE), np.uint8),
+        hist=np.empty((hkv + most - 1, bins), np.int64),
+        cand_index=np.empty((hkv, capacity), np.int32),
+        cand_score=np.empty((hkv, capacity), np.int32),
+        counts=np.empty(hkv + most - 1, np.int64),
+    )
 
 
 def make_scratch(q_codes, k_codes) -> Scratch:
     """Buffers for `score_select(q_codes, k_codes, ...)`; allocate once per cache, reuse every step."""
     q, k = as_codes(q_codes, "q_codes"), as_codes(k_codes, "k_codes")
     hkv, group, words = check_codes(q, k, 0)
-    capacity = k.shape[2]
-    parts = threads() // math.gcd(hkv, threads())
-    items = hkv * parts
-    return Scratch(
-        parts=parts,
-        tile=np.empty((items, TILE), np.int32),
-        hist=np.empty((items, group * words * WORD_BITS + 1), np.int64),
-        cand_index=np.empty((hkv, capacity), np.int32),
-        cand_score=np.empty((hkv, capacity), np.int32),
-        counts=np.empty(items, np.int64),
-    )
+    return new_scratch(hkv, k.shape[2], group * words * WORD_BITS + 1)
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -444,14 +504,19 @@ def scores(q_codes, k_codes, n: int, out=None, *, jit: bool = True) -> np.ndarra
     hkv, group, words = check_codes(q, k, n)
     dest = result(out, (hkv, n), np.int32)
     if jit and HAVE_NUMBA:
-        _scores_jit(q, k, n, threads() // math.gcd(hkv, threads()), dest, *tags(group, words))
+        chunks = _numba_threads()
+        flags = np.empty((chunks, TILE), np.uint8)  # (threads, TILE), written and unused here
+        _scores_jit(q, k, n, chunks, flags, dest, *tags(group, words))
     else:
         _scores_numpy(q, k, n, group, dest)
     return dest
 
 
-def select(scores_, k: int, sinks: int, window: int, out=None, *, jit: bool = True) -> np.ndarray:
-    """Ascending int32 (Hkv, K) indices: sinks, window, and the top-k middle tokens (ties: lower index)."""
+def select(scores_, k: int, sinks: int, window: int, out=None, scratch=None, *, jit: bool = True) -> np.ndarray:
+    """Ascending int32 (Hkv, K) indices: sinks, window, and the top-k middle tokens (ties: lower index).
+
+    scratch: optional `make_scratch(...)` buffers, used when their histogram covers the scores.
+    """
     s = as_numpy(scores_)
     if s.ndim != 2 or s.dtype.kind not in "iu":
         raise ValueError(f"scores must be a 2-D integer array, got {s.dtype} {s.shape}")
@@ -461,12 +526,18 @@ def select(scores_, k: int, sinks: int, window: int, out=None, *, jit: bool = Tr
     if layout.retrieved in (0, layout.middle):
         _fill_all(dest, layout)
         return dest
+    middle = s[:, layout.sinks_end : layout.window_start]  # (Hkv, m)
+    if middle.min() < 0:
+        raise ValueError("scores must be >= 0 (a histogram threshold needs small non-negative ints)")
     if jit and HAVE_NUMBA:
-        if _select_jit(s, layout.retrieved, layout.sinks_end, layout.window_start, dest) < 0:
-            raise ValueError("scores must be >= 0 (a histogram threshold needs small non-negative ints)")
+        bins, chunks = int(middle.max()) + 1, _numba_threads()
+        buf = scratch if scratch is not None and scratch.fits(s.shape[0], bins, s.shape[1], chunks) else \
+            new_scratch(s.shape[0], s.shape[1], bins)
+        _select_jit(s, layout, chunks, buf.flags, buf.hist, buf.cand_index, buf.cand_score, buf.counts, dest)
+        _fill_forced(dest, *layout)
     else:
         _select_numpy(s, layout, dest)
-    _fill_forced(dest, *layout) if HAVE_NUMBA else _fill_forced_numpy(dest, layout)
+        _fill_forced_numpy(dest, layout)
     return dest
 
 
@@ -485,27 +556,46 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
         return dest
     if not (jit and HAVE_NUMBA):
         return select(scores(q, kc, n, jit=False), k, sinks, window, out=dest, jit=False)
-    buf = scratch if scratch is not None else make_scratch(q, kc)
-    if not buf.fits(hkv, group, words, kc.shape[2]):
+    buf, chunks = scratch if scratch is not None else make_scratch(q, kc), _numba_threads()
+    if not buf.fits(hkv, group * words * WORD_BITS + 1, n, chunks):
         raise ValueError("scratch was made for other q_codes / k_codes shapes: call make_scratch again")
-    _score_select_jit(q, kc, layout, buf.parts, buf.tile, buf.hist, buf.cand_index, buf.cand_score, buf.counts,
-                      dest, *tags(group, words))
+    _score_select_jit(q, kc, layout, chunks, buf.tile, buf.flags, buf.hist, buf.cand_index, buf.cand_score,
+                      buf.counts, dest, *tags(group, words))
     _fill_forced(dest, *layout)
     return dest
 
 
-def gather(kv, idx, out=None, *, jit: bool = True) -> np.ndarray:
-    """out[h, j] = kv[h, idx[h, j]]: kv (Hkv, N, D), idx (Hkv, K) int -> (Hkv, K, D), kv's dtype."""
+def gather(kv, idx, out=None, *, jit: bool = True):
+    """out[h, j] = kv[h, idx[h, j]]: kv (Hkv, N, D), idx (Hkv, K) int -> (Hkv, K, D), kv's dtype and type.
+
+    Per head, torch.index_select for torch tensors and np.take for numpy arrays: both beat a numba
+    row-copy loop and advanced indexing (bench/retrieval.py, "K/V row gather"); torch's runs on
+    torch's intra-op threads. `jit` is accepted for a uniform signature and ignored.
+    """
+    if type(kv).__module__.startswith("torch"):
+        return _gather_torch(kv, idx, out)
     a, i = as_numpy(kv), as_numpy(idx)
-    if a.ndim != 3 or i.ndim != 2 or i.shape[0] != a.shape[0]:
-        raise ValueError(f"kv must be (Hkv, N, D) and idx (Hkv, K), got {a.shape} and {i.shape}")
+    _check_gather(a.shape, i.shape)
     dest = result(out, (a.shape[0], i.shape[1], a.shape[2]), a.dtype)
-    if jit and HAVE_NUMBA:
-        _gather_jit(a, i, dest)
-    else:
-        for h in range(a.shape[0]):
-            np.take(a[h], i[h], axis=0, out=dest[h])
+    for h in range(a.shape[0]):
+        np.take(a[h], i[h], axis=0, out=dest[h])  # (K, D)
     return dest
+
+
+def _gather_torch(kv, idx, out):
+    import torch
+
+    index = idx if isinstance(idx, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(idx))
+    _check_gather(tuple(kv.shape), tuple(index.shape))
+    dest = kv.new_empty((kv.shape[0], index.shape[1], kv.shape[2])) if out is None else out  # (Hkv, K, D)
+    for h in range(kv.shape[0]):
+        torch.index_select(kv[h], 0, index[h], out=dest[h])  # (K, D)
+    return dest
+
+
+def _check_gather(kv_shape: tuple, idx_shape: tuple) -> None:
+    if len(kv_shape) != 3 or len(idx_shape) != 2 or idx_shape[0] != kv_shape[0]:
+        raise ValueError(f"kv must be (Hkv, N, D) and idx (Hkv, K), got {kv_shape} and {idx_shape}")
 
 
 # ----------------------------------------------------------------------------- numpy fallback
@@ -546,8 +636,6 @@ def _select_numpy(s, layout: Layout, out) -> None:
     _, sinks_end, window_start, r = layout
     for h in range(s.shape[0]):
         middle = s[h, sinks_end:window_start]  # (m,)
-        if middle.min() < 0:
-            raise ValueError("scores must be >= 0 (a histogram threshold needs small non-negative ints)")
         at_least = np.cumsum(np.bincount(middle)[::-1])[::-1]  # at_least[v] = #(score >= v)
         cut = int(np.flatnonzero(at_least >= r)[-1])
         above = int(at_least[cut + 1]) if cut + 1 < at_least.size else 0

@@ -10,8 +10,8 @@ on first use only; without it, or without a device, `backend()` raises CudaUnava
 CuPy passes a Python int as long long and ignores strides, so every wrapper checks dtype,
 contiguity and device, and passes scalars as numpy.int32 / numpy.int64.
 
-score_select launches: hamming_scores (with the middle's histogram) -> select_cut ->
-select_count -> select_offsets -> select_write, all on the current stream, no host sync.
+score_select launches, on the current stream and with no host sync: a memset of the histogram,
+hamming_scores (scores plus the middle's histogram), select_count, select_write.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ NAME_EXPRESSIONS = tuple(f"pack_rows<{t}>" for t in PACK_TYPES.values())
 THREADS = 256  # threads per block of every kernel (a multiple of 32)
 SEGMENT = 4096  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
 MAX_BLOCKS = 4096  # token blocks per head of the grid-stride scoring kernels
+MAX_BINS = 12288  # score histogram bins that fit the 48 KiB of static shared memory
 
 
 @functools.cache
@@ -76,6 +77,10 @@ def _as_cupy(x, name: str):
     if type(x).__module__.startswith("torch"):
         if x.device.type != "cuda":
             raise ValueError(f"{name}: the CUDA backend got a tensor on {x.device}")
+        if str(x.dtype) == "torch.uint64":  # DLPack export of torch's unsigned types varies by version
+            import torch
+
+            x = x.view(torch.int64)
         x = cp.from_dlpack(x.detach())
     if not isinstance(x, cp.ndarray):
         raise TypeError(f"{name}: the CUDA backend takes CuPy arrays or CUDA torch tensors, got {type(x).__name__}")
@@ -194,28 +199,34 @@ def _launch_scores(q, k, n, dest, stride, group, words, hist, bins, lo, hi) -> N
     )
 
 
-def select(scores_, k: int, sinks: int, window: int, out=None):
+def select(scores_, k: int, sinks: int, window: int, out=None, scratch=None):
     """Ascending int32 (Hkv, K) selection, as kernels/cpu.py `select`.
 
     NOTE: reads the middle's min and max back to the host (one sync) to size the histogram;
-    score_select, which knows S = G * W * 64, does not.
+    score_select, which knows S = G * W * 64, does not. scratch: used when its buffers fit.
     """
     cp = _cupy()
     s = _as_cupy(scores_, "scores")
     if s.ndim != 2 or s.dtype.kind not in "iu":
         raise ValueError(f"scores must be a 2-D integer array, got {s.dtype} {s.shape}")
     s = cp.ascontiguousarray(s, dtype=np.int32)
+    hkv = s.shape[0]
     layout = selection_layout(s.shape[1], k, sinks, window)
-    dest = _result(out, (s.shape[0], layout.size), np.int32)
+    dest = _result(out, (hkv, layout.size), np.int32)
     if layout.retrieved in (0, layout.middle):
         return _fill_all(dest, layout)
     middle = s[:, layout.sinks_end : layout.window_start]
     if int(middle.min()) < 0:
         raise ValueError("scores must be >= 0 (a histogram threshold needs small non-negative ints)")
     bins = int(middle.max()) + 1
-    buf = _SelectBuffers.make(s.shape[0], layout.middle, bins)
+    if bins > MAX_BINS:
+        raise ValueError(f"scores must be below {MAX_BINS} on CUDA (codes give at most G * W * 64), got {bins - 1}")
+    buf = scratch if scratch is not None and scratch.fits(hkv, bins, layout.middle) else \
+        _SelectBuffers.make(hkv, layout.middle, bins)
+    buf.hist.fill(0)
+    bins = buf.hist.shape[1]
     _kernel("score_histogram")(
-        _grid(layout.middle, s.shape[0]), (THREADS,),
+        _grid(layout.middle, hkv), (THREADS,),
         (s, np.int64(s.shape[1]), np.int32(layout.sinks_end), np.int32(layout.window_start), buf.hist, np.int32(bins)),
         shared_mem=bins * 4,
     )
@@ -243,20 +254,16 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
 
 
 def _select_from_hist(s, stride, layout, buf, dest) -> None:
-    """cut -> per-segment counts -> offsets and forced indices -> ordered write."""
+    """Per-segment counts, then the ordered write (with the forced indices); each finds the cut itself."""
     hkv, bins = buf.hist.shape
     segs = -(-layout.middle // SEGMENT)
     counts = buf.seg_counts[: hkv * segs * 2]
-    lo, hi = np.int32(layout.sinks_end), np.int32(layout.window_start)
-    _kernel("select_cut")((hkv,), (THREADS,), (buf.hist, np.int32(bins), np.int32(layout.retrieved), buf.params))
+    lo, hi, r = np.int32(layout.sinks_end), np.int32(layout.window_start), np.int32(layout.retrieved)
     _kernel("select_count")((segs, hkv), (THREADS,),
-                            (s, np.int64(stride), lo, hi, np.int32(SEGMENT), buf.params, counts))
-    _kernel("select_offsets")((hkv,), (THREADS,),
-                              (counts, np.int32(segs), np.int32(layout.n), lo, hi, np.int32(layout.retrieved),
-                               dest, np.int32(layout.size)))
+                            (s, np.int64(stride), lo, hi, np.int32(SEGMENT), buf.hist, np.int32(bins), r, counts))
     _kernel("select_write")((segs, hkv), (THREADS,),
-                            (s, np.int64(stride), lo, hi, np.int32(SEGMENT), buf.params, counts, lo,
-                             dest, np.int32(layout.size)))
+                            (s, np.int64(stride), np.int32(layout.n), lo, hi, np.int32(SEGMENT), buf.hist,
+                             np.int32(bins), r, counts, dest, np.int32(layout.size)))
 
 
 def _fill_all(dest, layout):
@@ -288,14 +295,17 @@ class _SelectBuffers:
     """Device scratch of the selection kernels (and, in Scratch, of the fused scores)."""
 
     hist: object  # (Hkv, bins) int32
-    params: object  # (Hkv, 2) int32: cut, ties taken at the cut
-    seg_counts: object  # (Hkv * segs * 2,) int32
+    seg_counts: object  # (Hkv * segs * 2,) int32: tokens above / at the cut per segment
+
+    def fits(self, hkv: int, bins: int, middle: int) -> bool:
+        segs = -(-middle // SEGMENT)
+        return self.hist.shape[0] == hkv and self.hist.shape[1] >= bins and self.seg_counts.size >= hkv * segs * 2
 
     @classmethod
     def make(cls, hkv: int, middle: int, bins: int) -> "_SelectBuffers":
         cp = _cupy()
         segs = max(1, -(-middle // SEGMENT))
-        return cls(cp.zeros((hkv, bins), np.int32), cp.empty((hkv, 2), np.int32), cp.empty(hkv * segs * 2, np.int32))
+        return cls(cp.zeros((hkv, bins), np.int32), cp.empty(hkv * segs * 2, np.int32))
 
 
 @dataclass
@@ -308,4 +318,4 @@ def make_scratch(q_codes, k_codes) -> Scratch:
     q, k = _codes(q_codes, "q_codes"), _codes(k_codes, "k_codes")
     hkv, group, words = _check_codes(q, k, 0)
     base = _SelectBuffers.make(hkv, k.shape[2], group * words * WORD_BITS + 1)
-    return Scratch(base.hist, base.params, base.seg_counts, _cupy().empty((hkv, k.shape[2]), np.int32))
+    return Scratch(base.hist, base.seg_counts, _cupy().empty((hkv, k.shape[2]), np.int32))

@@ -7,8 +7,10 @@
 //   tokens scoring exactly the cut (equal scores -> lower token index first), ascending.
 //
 // Shapes (row-major, int64 offsets): q (H, W), k (Hkv, W, N), scores (Hkv, stride),
-// hist (Hkv, bins), params (Hkv, 2) = {cut, ties taken at the cut}, seg_counts (Hkv, segs, 2),
-// out (Hkv, K). Compiled lazily by CuPy (kernels/cuda.py); `nvcc -cubin` checks it in the tests.
+// hist (Hkv, bins), seg_counts (Hkv, segs, 2) = {above the cut, at the cut}, out (Hkv, K).
+// Selection is two passes over the scores after the histogram: count per segment, then write;
+// each block finds the cut from the histogram itself, so no kernel only for it.
+// Compiled lazily by CuPy (kernels/cuda.py); `nvcc -cubin` checks it in the tests.
 
 typedef unsigned long long u64;
 
@@ -127,14 +129,13 @@ extern "C" __global__ void score_histogram(const int* __restrict__ scores, long 
 
 // ---------------------------------------------------------------------------------- selection
 
-// One block per head: cut = the largest score v with #(score >= v) >= r, and the number of
-// tokens to take at the cut, ties = r - #(score > cut). Each thread owns a run of bins.
-extern "C" __global__ void select_cut(const int* __restrict__ hist, int bins, int r,
-                                      int* __restrict__ params) {
-    int h = blockIdx.x;
-    const int* hh = hist + (long long)h * bins;
+// Called by every thread of a block: the cut of head h's histogram, i.e. the largest score v with
+// #(score >= v) >= r, and how many tokens to take at the cut, ties = r - #(score > cut).
+// Each thread owns a run of bins; the run holding the crossing reports it through shared memory.
+__device__ void find_cut(const int* __restrict__ hh, int bins, int r, int* cut, int* ties) {
+    __shared__ int found[2];
     int per = (bins + blockDim.x - 1) / blockDim.x;
-    int b0 = min(bins, threadIdx.x * per), b1 = min(bins, b0 + per);
+    int b0 = min(bins, (int)threadIdx.x * per), b1 = min(bins, b0 + per);
     int mine = 0;
     for (int v = b0; v < b1; ++v) mine += hh[v];
     int total;
@@ -142,21 +143,26 @@ extern "C" __global__ void select_cut(const int* __restrict__ hist, int bins, in
     int above = total - below - mine;  // tokens in bins >= b1
     for (int v = b1 - 1; v >= b0; --v) {
         if (above < r && above + hh[v] >= r) {
-            params[2 * h] = v;
-            params[2 * h + 1] = r - above;
+            found[0] = v;
+            found[1] = r - above;
         }
         above += hh[v];
     }
+    __syncthreads();
+    *cut = found[0];
+    *ties = found[1];
+    __syncthreads();  // found is reused by the next call
 }
 
 // grid (x: segments of `seg` tokens of [lo, hi), y: head): per segment, how many tokens score
-// above the cut and how many score exactly the cut.
+// above the cut and how many score exactly the cut, into seg_counts[h, segment] = {above, ties}.
 extern "C" __global__ void select_count(const int* __restrict__ scores, long long score_stride,
-                                        int lo, int hi, int seg, const int* __restrict__ params,
-                                        int* __restrict__ seg_counts) {
-    int h = blockIdx.y, cut = params[2 * h];
+                                        int lo, int hi, int seg, const int* __restrict__ hist,
+                                        int bins, int r, int* __restrict__ seg_counts) {
+    int h = blockIdx.y, cut, ties;
+    find_cut(hist + (long long)h * bins, bins, r, &cut, &ties);
     int s0 = lo + blockIdx.x * seg, s1 = min(hi, s0 + seg);
-    int packed = 0;  // above + (ties << 16): a block segment holds fewer than 65536 of each
+    int packed = 0;  // above + (ties << 16): a segment holds fewer than 65536 of each
     for (int t = s0 + threadIdx.x; t < s1; t += blockDim.x) {
         int s = scores[h * score_stride + t];
         packed += (s > cut) + ((s == cut) << 16);
@@ -170,53 +176,42 @@ extern "C" __global__ void select_count(const int* __restrict__ scores, long lon
     }
 }
 
-// One block per head: seg_counts -> exclusive prefix sums over segments (in place), and the
-// forced indices: out[h, :sinks_end] = 0.., out[h, sinks_end + r:] = window_start..n-1.
-extern "C" __global__ void select_offsets(int* __restrict__ seg_counts, int segs, int n,
-                                          int sinks_end, int window_start, int r,
-                                          int* __restrict__ out, int out_stride) {
-    int h = blockIdx.x;
-    int* c = seg_counts + (long long)h * segs * 2;
-    int carry_above = 0, carry_ties = 0;
-    for (int s0 = 0; s0 < segs; s0 += blockDim.x) {
-        int i = s0 + threadIdx.x;
-        int above = i < segs ? c[2 * i] : 0, ties = i < segs ? c[2 * i + 1] : 0;
-        int total_above, total_ties;
-        int before_above = block_exclusive_scan(above, &total_above);
-        int before_ties = block_exclusive_scan(ties, &total_ties);
-        if (i < segs) {
-            c[2 * i] = carry_above + before_above;
-            c[2 * i + 1] = carry_ties + before_ties;
-        }
-        carry_above += total_above;
-        carry_ties += total_ties;
-    }
-    int* row = out + (long long)h * out_stride;
-    for (int t = threadIdx.x; t < sinks_end; t += blockDim.x) row[t] = t;
-    for (int t = window_start + threadIdx.x; t < n; t += blockDim.x)
-        row[sinks_end + r + t - window_start] = t;
-}
-
 // grid (x: segments, y: head): ordered compaction. A token scoring above the cut, or scoring
 // the cut with fewer than `ties` equal tokens before it, goes to position
-// #(above before it) + min(#(ties before it), ties) of the retrieved part of out[h].
+// #(above before it) + min(#(ties before it), ties) of the retrieved part of out[h]; the
+// counts before the segment are summed from seg_counts. Segment 0 also writes the forced
+// indices: out[h, :sinks_end] = 0.., out[h, sinks_end + r:] = window_start..n-1.
 extern "C" __global__ void select_write(const int* __restrict__ scores, long long score_stride,
-                                        int lo, int hi, int seg, const int* __restrict__ params,
-                                        const int* __restrict__ seg_offsets, int sinks_end,
-                                        int* __restrict__ out, int out_stride) {
-    int h = blockIdx.y, cut = params[2 * h], ties = params[2 * h + 1];
-    const int* o = seg_offsets + ((long long)h * gridDim.x + blockIdx.x) * 2;
-    int above_before = o[0], ties_before = o[1];
-    int* dest = out + (long long)h * out_stride + sinks_end;
-    int s0 = lo + blockIdx.x * seg, s1 = min(hi, s0 + seg);
+                                        int n, int sinks_end, int window_start, int seg,
+                                        const int* __restrict__ hist, int bins, int r,
+                                        const int* __restrict__ seg_counts, int* __restrict__ out,
+                                        int out_stride) {
+    int h = blockIdx.y, cut, ties, total;
+    find_cut(hist + (long long)h * bins, bins, r, &cut, &ties);
+    const int* c = seg_counts + (long long)h * gridDim.x * 2;
+    int above_sum = 0, ties_sum = 0;
+    for (int i = threadIdx.x; i < (int)blockIdx.x; i += blockDim.x) {
+        above_sum += c[2 * i];
+        ties_sum += c[2 * i + 1];
+    }
+    block_exclusive_scan(above_sum, &total);
+    int above_before = total;
+    block_exclusive_scan(ties_sum, &total);
+    int ties_before = total;
+    int* row = out + (long long)h * out_stride;
+    if (blockIdx.x == 0) {
+        for (int t = threadIdx.x; t < sinks_end; t += blockDim.x) row[t] = t;
+        for (int t = window_start + threadIdx.x; t < n; t += blockDim.x)
+            row[sinks_end + r + t - window_start] = t;
+    }
+    int s0 = sinks_end + blockIdx.x * seg, s1 = min(window_start, s0 + seg);
     for (int t0 = s0; t0 < s1; t0 += blockDim.x) {  // uniform trip count: the scan needs all threads
         int t = t0 + threadIdx.x;
         int s = t < s1 ? scores[h * score_stride + t] : -1;
         int gt = s > cut, tie = s == cut;
-        int total;
         int before = block_exclusive_scan(gt + (tie << 16), &total);
         int a = above_before + (before & 0xffff), e = ties_before + (before >> 16);
-        if (gt || (tie && e < ties)) dest[a + min(e, ties)] = t;
+        if (gt || (tie && e < ties)) row[sinks_end + a + min(e, ties)] = t;
         above_before += total & 0xffff;
         ties_before += total >> 16;
     }

@@ -9,7 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import EngineConfig, SamplingConfig, default_home
+from .config import EngineConfig, SamplingConfig, SpotlightConfig, default_home
 from .errors import SpotlightError
 
 EPILOG = """examples:
@@ -47,6 +47,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     m.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     m.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default: 512)")
+    a = p.add_argument_group("Spotlight attention")
+    a.add_argument("--no-spotlight", action="store_true", help="decode with dense attention over every cached token")
+    a.add_argument("--ratio", type=float, default=SpotlightConfig.ratio,
+                   help=f"share of cached tokens retrieved per step (default: {SpotlightConfig.ratio})")
+    a.add_argument("--bits", type=int, default=SpotlightConfig.bits, help=f"code bits (default: {SpotlightConfig.bits})")
+    a.add_argument("--encoders", default=None,
+                   help="encoder checkpoint (default: the shipped one when it matches the model, else untrained)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit (default: 256)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
@@ -57,22 +64,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
-def _configs(args) -> tuple[EngineConfig, SamplingConfig]:
+def _configs(args) -> tuple[EngineConfig, SamplingConfig, SpotlightConfig]:
     engine = EngineConfig(model_path=args.model, device=args.device, threads=args.threads,
-                          prefill_chunk=args.prefill_chunk)
+                          prefill_chunk=args.prefill_chunk, encoder_path=args.encoders)
+    spotlight = SpotlightConfig(enabled=not args.no_spotlight, ratio=args.ratio, bits=args.bits)
     sampling = SamplingConfig(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
         stop_strings=tuple(args.stop), seed=args.seed,
     )
-    return engine, sampling
+    return engine, sampling, spotlight
 
 
-def _load(engine_config: EngineConfig):
+def _load(engine_config: EngineConfig, spotlight: SpotlightConfig):
     from .engine import Engine
 
     print("loading model…", file=sys.stderr, flush=True)
-    return Engine.load(engine_config, default_home())
+    engine = Engine.load(engine_config, default_home(), spotlight)
+    for warning in engine.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return engine
 
 
 def _read_prompt(path: Path | None) -> str:
@@ -107,17 +118,17 @@ def _print_stream(engine, context, ids, sampling, cancel) -> str:
 
 
 def cmd_generate(args) -> None:
-    engine_config, sampling = _configs(args)
+    engine_config, sampling, spotlight = _configs(args)
     prompt = _read_prompt(args.prompt_file)
-    engine = _load(engine_config)
+    engine = _load(engine_config, spotlight)
     ids = engine.encode(prompt) if args.raw else engine.chat_ids([{"role": "user", "content": prompt}])
     _print_stream(engine, engine.new_context(), ids, sampling, threading.Event())
     print()
 
 
 def cmd_chat(args) -> None:
-    engine_config, sampling = _configs(args)
-    engine = _load(engine_config)
+    engine_config, sampling, spotlight = _configs(args)
+    engine = _load(engine_config, spotlight)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     context = engine.new_context()
     print("type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply", file=sys.stderr)

@@ -35,3 +35,11 @@ class CorruptCheckpoint(SpotlightError):
 
 class DeviceUnavailable(SpotlightError):
     """A device (CUDA) was requested but is not available."""
+
+
+class CorpusEmpty(SpotlightError):
+    """A training or evaluation corpus holds no usable text."""
+
+
+class TooMuchMemory(SpotlightError):
+    """A job would need more memory than this machine has free (it says what to lower)."""

@@ -115,11 +115,15 @@ class Encoders(nn.Module):
         """k (Hkv, T, D) post-RoPE -> activations (Hkv, T, C)."""
         return self.key(layer, k)
 
-    def save(self, path: Path) -> str:
-        """Write the checkpoint atomically; return its fingerprint (sha256 of the file)."""
+    def save(self, path: Path, dtype: torch.dtype | None = None) -> str:
+        """Write the checkpoint atomically; return its fingerprint (sha256 of the file).
+
+        dtype: store the weights in this dtype (e.g. torch.float16 halves the file); loading
+        always gives fp32 parameters.
+        """
         from safetensors.torch import save_file
 
-        tensors = {f"{side}.{name}": p.detach().contiguous().cpu()
+        tensors = {f"{side}.{name}": p.detach().to(dtype or p.dtype).contiguous().cpu()
                    for side in ("query", "key") for name, p in getattr(self, side).named_parameters()}
         meta = {
             "format": FORMAT, "model_fingerprint": self.model_fingerprint,

@@ -256,7 +256,9 @@ def test_select_and_score_select_reuse_out_and_scratch(backend):
         for _ in range(2):
             assert kernels.score_select(dq, dk, n, 30, SINKS, WINDOW, out=out, scratch=scratch) is out
             np.testing.assert_array_equal(backend.get(out), ref_select(ref_scores(q, k, n), 30, SINKS, WINDOW))
-        assert kernels.select(backend.put(ref_scores(q, k, n).astype(np.int32)), 30, SINKS, WINDOW, out=out) is out
+        assert kernels.select(backend.put(ref_scores(q, k, n).astype(np.int32)), 30, SINKS, WINDOW, out=out,
+                              scratch=scratch) is out
+        np.testing.assert_array_equal(backend.get(out), ref_select(ref_scores(q, k, n), 30, SINKS, WINDOW))
 
 
 def test_empty_cache_selects_nothing(backend):
@@ -265,10 +267,24 @@ def test_empty_cache_selects_nothing(backend):
     assert got.shape == (2, 0)
 
 
+@pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("chunks", [1, 3, 5])
+def test_cpu_results_do_not_depend_on_the_thread_split(monkeypatch, chunks):
+    """The numba scan cuts the heads' tokens into one run per thread; any split gives the same result."""
+    monkeypatch.setattr(cpu, "threads", lambda: chunks)
+    q, k = random_codes(np.random.default_rng(chunks), 3, 3, 2, 777, distinct=6)
+    s = ref_scores(q, k, 777)
+    scratch = kernels.make_scratch(q, k)
+    np.testing.assert_array_equal(kernels.scores(q, k, 777), s)
+    for budget in [1, 30, 300]:
+        check_selection(kernels.score_select(q, k, 777, budget, SINKS, WINDOW, scratch=scratch), s, budget, SINKS, WINDOW)
+        check_selection(kernels.select(s.astype(np.int32), budget, SINKS, WINDOW), s, budget, SINKS, WINDOW)
+
+
 # ----------------------------------------------------------------------------- gather
 
 
-def test_gather_equals_take(backend):
+def test_gather_equals_advanced_indexing(backend):
     rng = np.random.default_rng(5)
     kv = rng.standard_normal((3, 257, 64)).astype(np.float32)
     idx = np.sort(rng.choice(257, size=(3, 40)), axis=1).astype(np.int32)
@@ -276,6 +292,15 @@ def test_gather_equals_take(backend):
     out = backend.put(np.zeros_like(expected))
     assert kernels.gather(backend.put(kv), backend.put(idx), out=out) is out
     np.testing.assert_array_equal(backend.get(out), expected)
+
+
+def test_gather_torch_tensors_return_torch():
+    torch = pytest.importorskip("torch")
+    kv = torch.randn(2, 50, 8, dtype=torch.bfloat16)
+    idx = np.array([[0, 7, 49], [3, 4, 5]], np.int32)
+    got = kernels.gather(kv, idx)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.stack([kv[h][torch.from_numpy(idx[h]).long()] for h in range(2)]))
 
 
 # ----------------------------------------------------------------------------- dispatch, errors
