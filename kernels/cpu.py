@@ -381,16 +381,15 @@ if HAVE_NUMBA:
         for h in prange(hkv):
             _finish_head(h, chunks, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
 
-    @njit(parallel=True, cache=True)
-    def _scores_jit(q, k, n, chunks, flags, out, g_tag, w_tag):
+    @njit(cache=True)
+    def _scores_jit(q, k, n, flags, out, g_tag, w_tag):
+        """Full score rows, one thread: score_select (the decode path) never needs them."""
         hkv, _, capacity = k.shape
-        for c in prange(chunks):
-            for h in range(hkv):
-                lo, hi = _piece(c, h, chunks, hkv, n)
-                qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
-                for t0 in range(lo, hi, TILE):
-                    count = min(TILE, hi - t0)
-                    _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags[c], g_tag, w_tag)
+        for h in range(hkv):
+            qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
+            for t0 in range(0, n, TILE):
+                count = min(TILE, n - t0)
+                _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags, g_tag, w_tag)
 
 
 # ----------------------------------------------------------------------------- scratch
@@ -499,14 +498,16 @@ def pack_into(x, k_codes, start: int, *, jit: bool = True) -> None:
 
 
 def scores(q_codes, k_codes, n: int, out=None, *, jit: bool = True) -> np.ndarray:
-    """Matching-bit counts, int32 (Hkv, n): score[h, t] = sum_g popcount(~(q[h*G+g] ^ k[h, :, t]))."""
+    """Matching-bit counts, int32 (Hkv, n): score[h, t] = sum_g popcount(~(q[h*G+g] ^ k[h, :, t])).
+
+    One thread (the decode path, score_select, never materialises these rows).
+    """
     q, k = as_codes(q_codes, "q_codes"), as_codes(k_codes, "k_codes")
     hkv, group, words = check_codes(q, k, n)
     dest = result(out, (hkv, n), np.int32)
     if jit and HAVE_NUMBA:
-        chunks = _numba_threads()
-        flags = np.empty((chunks, TILE), np.uint8)  # (threads, TILE), written and unused here
-        _scores_jit(q, k, n, chunks, flags, dest, *tags(group, words))
+        flags = np.empty(TILE, np.uint8)  # (TILE,) written and unused here
+        _scores_jit(q, k, n, flags, dest, *tags(group, words))
     else:
         _scores_numpy(q, k, n, group, dest)
     return dest
@@ -520,7 +521,7 @@ def select(scores_, k: int, sinks: int, window: int, out=None, scratch=None, *, 
     s = as_numpy(scores_)
     if s.ndim != 2 or s.dtype.kind not in "iu":
         raise ValueError(f"scores must be a 2-D integer array, got {s.dtype} {s.shape}")
-    s = np.ascontiguousarray(s)
+    s = np.ascontiguousarray(s, dtype=np.int32)  # (Hkv, n); a copy unless already int32
     layout = selection_layout(s.shape[1], k, sinks, window)
     dest = result(out, (s.shape[0], layout.size), np.int32)
     if layout.retrieved in (0, layout.middle):

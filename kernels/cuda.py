@@ -16,6 +16,7 @@ hamming_scores (scores plus the middle's histogram), select_count, select_write.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ NAME_EXPRESSIONS = tuple(f"pack_rows<{t}>" for t in PACK_TYPES.values())
 THREADS = 256  # threads per block of every kernel (a multiple of 32)
 SEGMENT = 4096  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
 MAX_BLOCKS = 4096  # token blocks per head of the grid-stride scoring kernels
-MAX_BINS = 12288  # score histogram bins that fit the 48 KiB of static shared memory
+MAX_BINS = 12288  # histogram bins (int32) in the 48 KiB of shared memory a launch gets without opt-in
 
 
 @functools.cache
@@ -53,8 +54,6 @@ def _cupy():
 def backend():
     """This module, once cupy and a device are known to be usable."""
     _cupy()
-    import sys
-
     return sys.modules[__name__]
 
 
@@ -317,5 +316,7 @@ def make_scratch(q_codes, k_codes) -> Scratch:
     """Device buffers for score_select with these code shapes; allocate once, reuse every step."""
     q, k = _codes(q_codes, "q_codes"), _codes(k_codes, "k_codes")
     hkv, group, words = _check_codes(q, k, 0)
+    if group * words * WORD_BITS + 1 > MAX_BINS:
+        raise ValueError(f"G * W * 64 = {group * words * WORD_BITS} exceeds the CUDA histogram's {MAX_BINS - 1}")
     base = _SelectBuffers.make(hkv, k.shape[2], group * words * WORD_BITS + 1)
     return Scratch(base.hist, base.seg_counts, _cupy().empty((hkv, k.shape[2]), np.int32))
