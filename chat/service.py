@@ -1,77 +1,409 @@
-"""The chat service: the only place that combines the engine with conversations.
+"""The chat service: the only place that combines the engine with persistent conversations.
 
-The engine is a shared, single-flight resource: one lock serialises every model call
-(Gradio events and any other caller), and each conversation has its own cancel flag,
-checked at every decode step and between prefill chunks.
+    service = ChatService(AppConfig())
+    session = service.create()
+    for turn in service.send(session.id, "Hello"):   # streams; the last Turn has .finish
+        print(turn.text)
+
+Conversations, their branches and documents live in the store (memory/); their KV
+caches are persisted as spans after every turn and restored on the first use after a
+restart (chat/kv.py, chat/turns.py). The engine is a shared, single-flight resource: one
+gate serialises every model call; each conversation has its own cancel flag, checked at
+every decode step and between prefill chunks (chat/runtime.py). Errors are `ChatError`s
+(chat/errors.py) whose messages say how to fix them.
+
+Undo is delete-less: it marks the last exchange's user message `undone` in its metadata;
+the visible conversation ends before the first undone message, the next message starts a
+new branch there, and switching back to that branch (`switch_branch`) clears the mark.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import Iterator
+import time
+from collections.abc import Iterator
 
-from spotlight.config import AppConfig
+from memory import CacheSize, MessageRecord, Store
+from spotlight.config import AppConfig, SamplingConfig, StoreConfig
 from spotlight.errors import SpotlightError
 
-from .errors import ModelUnavailable
+from . import export
+from .errors import ChatError, ConversationTooLong, ImportFailed, InvalidAction, MessageNotFound, ModelUnavailable, translated
+from .records import ChatMessage, DocumentInfo, MessageId, ResumeReport, SessionId, SessionInfo, Turn
+from .render import Conversation, system_text
+from .runtime import CancelFlags, ContextPool, EngineGate
+from .turns import ReplyPlan, TurnRunner
+
+DEFAULT_TITLE = "New chat"
+_WARM_UP_TOKENS = 2
+_TITLE_CHARS = 60
+
+__all__ = ["ChatService", "Turn"]
 
 
-@dataclass
-class Turn:
-    """What one reply reports besides its text."""
-
-    text: str = ""
-    finish: str | None = None
-    cached_tokens: int = 0
-    prefill_tokens: int = 0
-    prefill_tps: float = 0.0
-    decode_tokens: int = 0
-    decode_tps: float = 0.0
-
-
-@dataclass
 class ChatService:
-    config: AppConfig
-    _engine: object = None
-    _contexts: dict = field(default_factory=dict)  # conversation id -> engine Context
-    _cancel: dict = field(default_factory=dict)  # conversation id -> threading.Event
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    """Conversations with persistent KV memory over one engine and one data directory.
+
+    `_engine` injects a loaded engine (tests, benchmarks); `store_config` overrides
+    `config.store` (tests set a disk budget); `keep_contexts` is how many conversations
+    keep their KV cache in RAM. The store opens on first use (a second process on the
+    same directory gets `StorageUnavailable` then).
+    """
+
+    def __init__(self, config: AppConfig, _engine=None, *, store_config: StoreConfig | None = None,
+                 keep_contexts: int = 4):
+        self.config = config
+        self.store_config = store_config or config.store
+        self._engine = _engine
+        self._store: Store | None = None
+        self._runner: TurnRunner | None = None
+        self._open_lock = threading.Lock()
+        self._gate = EngineGate()
+        self._flags = CancelFlags()
+        self._pool = ContextPool(keep_contexts)
+        self._documents: dict[str, tuple[str, str]] = {}  # document id -> (name, text); immutable
+        self._compat: dict[str, SessionId] = {}  # app.py conversation key -> session
+
+    # ------------------------------------------------------------------ resources
 
     @property
     def engine(self):
-        """The engine, loaded on first use (the conversion of the default model runs once)."""
-        if self._engine is None:
-            from spotlight.engine import Engine
+        """The engine, loaded on first use (the conversion of the default model runs once).
 
-            try:
-                self._engine = Engine.load(self.config.engine, self.config.home)
-            except SpotlightError as exc:
-                raise ModelUnavailable(f"the model could not be loaded: {exc}") from exc
-        return self._engine
+        NOTE: it decodes densely, as before this service persisted anything; pass
+        `spotlight=self.config.spotlight` here once Spotlight decode is the faster path
+        (spans are keyed by the encoder fingerprint, so switching never reuses wrong codes)."""
+        with self._open_lock:
+            if self._engine is None:
+                from spotlight.engine import Engine
 
-    def messages(self, history: list[dict], user_text: str) -> list[dict]:
-        system = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
-        return system + list(history) + [{"role": "user", "content": user_text}]
+                try:
+                    engine = Engine.load(self.config.engine, self.config.home)
+                except SpotlightError as exc:
+                    raise ModelUnavailable(f"the model could not be loaded: {exc}") from exc
+                warm_up(engine)
+                self._engine = engine
+            return self._engine
 
-    def stop(self, conversation: str) -> None:
-        """Ask the running reply of a conversation to stop; it does within one decode step."""
-        if conversation in self._cancel:
-            self._cancel[conversation].set()
+    def warm_up(self) -> float:
+        """Run the engine once on a few tokens (done after loading it); returns the seconds.
+        A first forward in a process pays one-time kernel initialisation (~3 s measured on
+        2 CPU cores), which would otherwise land on the first reply or resume."""
+        engine = self.engine
+        with self._gate.hold("warm-up"):
+            return warm_up(engine)
+
+    @property
+    def store(self) -> Store:
+        """The store, opened on first use."""
+        with self._open_lock:
+            if self._store is None:
+                with translated():
+                    self._store = Store(self.store_config)
+            return self._store
+
+    @property
+    def runner(self) -> TurnRunner:
+        engine, store = self.engine, self.store
+        with self._open_lock:
+            if self._runner is None:
+                self._runner = TurnRunner(engine, store, self.config.sampling, self._pool, self._gate)
+            return self._runner
+
+    def warnings(self) -> tuple[str, ...]:
+        """Things the UI should show once (e.g. untrained Spotlight encoders)."""
+        return tuple(getattr(self.engine, "warnings", ()))
+
+    def close(self) -> None:
+        """Drop the warm contexts and close the store (call when no reply is running)."""
+        self._pool.clear()
+        with self._open_lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+                self._runner = None
+
+    # ------------------------------------------------------------------ sessions
+
+    def create(self, title: str = DEFAULT_TITLE, system_prompt: str | None = None) -> SessionInfo:
+        """A new empty conversation (system prompt: the configured one unless given)."""
+        prompt = self.config.system_prompt if system_prompt is None else system_prompt
+        with translated():
+            return _session_info(self.store.create_session(title, system_prompt=prompt))
+
+    def get(self, session_id: SessionId) -> SessionInfo:
+        with translated(session_id):
+            return _session_info(self.store.get_session(session_id))
+
+    def list_sessions(self, limit: int | None = None) -> list[SessionInfo]:
+        """Conversations, most recently updated first."""
+        with translated():
+            return [_session_info(record) for record in self.store.list_sessions(limit)]
+
+    def search(self, query: str) -> list[SessionInfo]:
+        """Conversations whose title or messages contain every word of `query` (word prefixes)."""
+        with translated():
+            return [_session_info(record) for record in self.store.search_sessions(query)]
+
+    def rename(self, session_id: SessionId, title: str) -> SessionInfo:
+        if not title.strip():
+            raise InvalidAction("a conversation title cannot be empty; type a name")
+        with translated(session_id):
+            return _session_info(self.store.update_session(session_id, title=title.strip()))
+
+    def delete(self, session_id: SessionId) -> None:
+        """Delete the conversation, its messages, documents only it uses, and its cache."""
+        with translated(session_id), self._flags.running(session_id):
+            self.store.delete_session(session_id)
+        self._pool.drop(session_id)
+
+    # ------------------------------------------------------------------ messages
+
+    def history(self, session_id: SessionId) -> list[ChatMessage]:
+        """The visible conversation, with each message's branch position and turn stats."""
+        with translated(session_id):
+            return [self._chat_message(record) for record in self._visible(session_id)]
+
+    def send(self, session_id: SessionId, text: str) -> Iterator[Turn]:
+        """Add a user message and stream the reply (see `Turn`). `EngineBusy` if a reply is
+        already running in this conversation; other conversations wait for the engine."""
+        text = _checked_text(text)
+        with translated(session_id), self._flags.running(session_id) as cancel:
+            records = self._visible(session_id)
+            conversation = self._conversation(session_id, records).plus("user", text)
+            self._check_fits(conversation)
+            user = self.store.add_message(session_id, "user", text, parent_id=records[-1].id if records else None)
+            if not records:
+                self._title_from(session_id, text)
+            plan = ReplyPlan(session_id, conversation, [r.id for r in records] + [user.id],
+                             self._reply_to(session_id, user.id))
+            yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
+
+    def regenerate(self, session_id: SessionId) -> Iterator[Turn]:
+        """A new reply to the last user message; the previous reply stays as a sibling branch."""
+        with translated(session_id), self._flags.running(session_id) as cancel:
+            records = self._visible(session_id)
+            store_reply = None
+            if records and records[-1].role == "assistant":
+                old = records.pop()
+                store_reply = lambda content, stats: self.store.add_sibling(old.id, content, metadata={"stats": stats})  # noqa: E731
+            if not records or records[-1].role != "user":
+                raise InvalidAction("there is no reply to regenerate yet; send a message first")
+            user = records[-1]
+            plan = ReplyPlan(session_id, self._conversation(session_id, records), [r.id for r in records],
+                             store_reply or self._reply_to(session_id, user.id))
+            yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
+
+    def edit(self, session_id: SessionId, message_id: MessageId, text: str) -> Iterator[Turn]:
+        """Replace one of your earlier messages with `text` and stream a new reply. The edit is a
+        sibling branch: the old message and everything after it are kept, and the cache is
+        reused up to the edited message."""
+        text = _checked_text(text)
+        with translated(session_id), self._flags.running(session_id) as cancel:
+            records = self._visible(session_id)
+            index = self._visible_index(session_id, records, message_id)
+            if records[index].role != "user":
+                raise InvalidAction("only your own messages can be edited; use regenerate for a reply")
+            conversation = self._conversation(session_id, records[:index]).plus("user", text)
+            self._check_fits(conversation)
+            user = self.store.add_sibling(message_id, text)
+            plan = ReplyPlan(session_id, conversation, [r.id for r in records[:index]] + [user.id],
+                             self._reply_to(session_id, user.id))
+            yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
+
+    def undo(self, session_id: SessionId) -> str:
+        """Hide the last exchange (your last message and its reply) without deleting it;
+        returns your message's text so it can be edited and sent again."""
+        with translated(session_id), self._flags.running(session_id):
+            records = self._visible(session_id)
+            users = [record for record in records if record.role == "user"]
+            if not users:
+                raise InvalidAction("there is nothing to undo in this conversation")
+            self.store.set_message_metadata(users[-1].id, {"undone": True})
+            return users[-1].content
+
+    def switch_branch(self, session_id: SessionId, message_id: MessageId) -> list[ChatMessage]:
+        """Show the branch through `message_id` (its newest continuation); returns the history."""
+        with translated(session_id), self._flags.running(session_id):
+            if self.store.get_message(message_id).session_id != session_id:
+                raise MessageNotFound(message_id, session_id)
+            for record in self.store.switch_branch(message_id):
+                if record.metadata.get("undone"):
+                    self.store.set_message_metadata(record.id, {"undone": False})
+        return self.history(session_id)
+
+    def stop(self, session_id: str) -> None:
+        """Ask the running reply (or resume) of a conversation to stop: it does within one
+        decode step or prefill chunk. No-op when nothing runs."""
+        self._flags.cancel(self._compat.get(session_id, session_id))
+
+    def resume(self, session_id: SessionId) -> ResumeReport:
+        """Make the conversation's KV cache ready without generating: from memory, else from
+        its span files (verified), prefilling and storing whatever is missing."""
+        with translated(session_id), self._flags.running(session_id) as cancel:
+            records = self._visible(session_id)
+            conversation = self._conversation(session_id, records)
+            return self.runner.resume(session_id, conversation, [r.id for r in records], cancel)
+
+    # ------------------------------------------------------------------ documents
+
+    def attach_text(self, session_id: SessionId, name: str, text: str, *, pages: int | None = None) -> DocumentInfo:
+        """Attach a plain-text document (`pages`: its page count, if it had pages) to the
+        conversation's prefix (the system message). Refused with `ConversationTooLong` if
+        the conversation would not fit the context window. Its KV cache is computed on the
+        next message (or `resume`)."""
+        if not text.strip():
+            raise InvalidAction(f"the document {name!r} is empty; attach a file with text in it")
+        with translated(session_id), self._flags.running(session_id):
+            records = self._visible(session_id)
+            conversation = self._conversation(session_id, records)
+            with_document = Conversation(system_text(conversation.system, [(name, text)]), conversation.messages)
+            self._check_fits(with_document)
+            n_tokens = len(self.engine.encode(text))
+            record = self.store.add_document(name, text, pages=pages, n_tokens=n_tokens, session_id=session_id)
+            return _document_info(record)
+
+    def documents(self, session_id: SessionId) -> list[DocumentInfo]:
+        with translated(session_id):
+            return [_document_info(record) for record in self.store.session_documents(session_id)]
+
+    # ------------------------------------------------------------------ export / import
+
+    def export_json(self, session_id: SessionId) -> str:
+        """Every message of every branch, the documents with their text (no KV cache)."""
+        with translated(session_id):
+            return export.to_json(self.store.export_session(session_id))
+
+    def export_markdown(self, session_id: SessionId) -> str:
+        with translated(session_id):
+            return export.to_markdown(self.store.export_session(session_id))
+
+    def import_json(self, text: str | bytes) -> SessionInfo:
+        """A new conversation from an `export_json` file (its cache is computed on first use)."""
+        try:
+            data = export.from_json(text)
+            with translated():
+                session_id = self.store.import_session(data)
+        except ChatError:
+            raise
+        except (ValueError, KeyError, TypeError, IndexError) as error:  # a malformed or edited export
+            raise ImportFailed(f"cannot import this file: {error!s}; export the conversation again") from error
+        return self.get(session_id)
+
+    # ------------------------------------------------------------------ cache
+
+    def cache_size(self, session_id: SessionId) -> CacheSize:
+        """Disk used by the conversation's cache: its own spans and prefixes it shares."""
+        with translated(session_id):
+            return self.store.session_cache_size(session_id)
+
+    def drop_cache(self, session_id: SessionId) -> int:
+        """Delete the conversation's cache from disk and memory (recomputed on next use);
+        returns the number of span files removed. The conversation itself is kept."""
+        with translated(session_id), self._flags.running(session_id):
+            dropped = self.store.drop_session_cache(session_id)
+        self._pool.drop(session_id)
+        return len(dropped)
+
+    # ------------------------------------------------------------------ app.py compatibility
 
     def reply(self, conversation: str, history: list[dict], user_text: str) -> Iterator[Turn]:
-        """Stream a reply: yields the growing Turn after each generated piece of text."""
-        engine = self.engine
-        cancel = self._cancel[conversation] = threading.Event()
-        ids = engine.chat_ids(self.messages(history, user_text))
-        turn = Turn()
-        with self._lock:
-            context = self._contexts.setdefault(conversation, engine.new_context())
-            for step in engine.stream(context, ids, self.config.sampling, cancel=cancel):
-                turn.text += step.text
-                if step.finish:
-                    turn.finish = step.finish
-                    s = step.stats
-                    turn.cached_tokens, turn.prefill_tokens, turn.prefill_tps = (
-                        s.cached_tokens, s.prefill_tokens, s.prefill_tps)
-                    turn.decode_tokens, turn.decode_tps = s.decode_tokens, s.decode_tps
-                yield turn
+        """Stateless adapter for a UI that keeps the history itself: `conversation` is any key
+        (e.g. Gradio's session hash). The key maps to a stored conversation; when `history`
+        differs from it, a new conversation is created from `history` first."""
+        pairs = [(m["role"], m["content"]) for m in history]
+        session_id = self._compat.get(conversation)
+        if session_id is None or self._pairs(session_id) != pairs:
+            session_id = self._session_from(pairs)
+            self._compat[conversation] = session_id
+        return self.send(session_id, user_text)
+
+    def _pairs(self, session_id: SessionId) -> list[tuple[str, str]] | None:
+        """(role, content) of the visible conversation; None if it no longer exists."""
+        try:
+            with translated(session_id):
+                return [(r.role, r.content) for r in self._visible(session_id)]
+        except LookupError:
+            return None
+
+    def _session_from(self, pairs: list[tuple[str, str]]) -> SessionId:
+        session = self.create()
+        with translated(session.id):
+            for role, content in pairs:
+                self.store.add_message(session.id, role, content)
+            if pairs:
+                self._title_from(session.id, pairs[0][1])
+        return session.id
+
+    # ------------------------------------------------------------------ helpers
+
+    def _visible(self, session_id: SessionId) -> list[MessageRecord]:
+        """The active path up to (not including) its first undone message."""
+        path = self.store.active_path(session_id)
+        cut = next((i for i, record in enumerate(path) if record.metadata.get("undone")), len(path))
+        return path[:cut]
+
+    def _visible_index(self, session_id: SessionId, records: list[MessageRecord], message_id: MessageId) -> int:
+        for index, record in enumerate(records):
+            if record.id == message_id:
+                return index
+        if self.store.get_message(message_id).session_id != session_id:
+            raise MessageNotFound(message_id, session_id)
+        raise InvalidAction("that message is not on the branch shown; switch to its branch first")
+
+    def _conversation(self, session_id: SessionId, records: list[MessageRecord]) -> Conversation:
+        session = self.store.get_session(session_id)
+        documents = [self._document(d.id) for d in self.store.session_documents(session_id)]
+        return Conversation(system_text(session.system_prompt, documents),
+                            tuple((r.role, r.content) for r in records))
+
+    def _document(self, document_id: str) -> tuple[str, str]:
+        if document_id not in self._documents:
+            self._documents[document_id] = (self.store.get_document(document_id).name,
+                                            self.store.document_text(document_id))
+        return self._documents[document_id]
+
+    def _check_fits(self, conversation: Conversation) -> None:
+        try:
+            self.runner.check_fits(conversation)
+        except SpotlightError as error:
+            raise ConversationTooLong(str(error)) from error
+
+    def _reply_to(self, session_id: SessionId, user_id: MessageId):
+        def store_reply(content: str, stats: dict) -> MessageRecord:
+            return self.store.add_message(session_id, "assistant", content, parent_id=user_id,
+                                          metadata={"stats": stats})
+        return store_reply
+
+    def _title_from(self, session_id: SessionId, text: str) -> None:
+        if self.store.get_session(session_id).title == DEFAULT_TITLE:
+            title = " ".join(text.split())[:_TITLE_CHARS] or DEFAULT_TITLE
+            self.store.update_session(session_id, title=title)
+
+    def _chat_message(self, record: MessageRecord) -> ChatMessage:
+        siblings = [m.id for m in self.store.siblings(record.id)]
+        return ChatMessage(record.id, record.role, record.content, record.parent_id,
+                           siblings.index(record.id), len(siblings), record.metadata.get("stats", {}))
+
+
+def warm_up(engine) -> float:
+    """One short prefill + decode on a throwaway context; the seconds it took."""
+    started = time.perf_counter()
+    ids = engine.encode("Warm up.") or [0]
+    for _ in engine.stream(engine.new_context(len(ids) + _WARM_UP_TOKENS), ids,
+                           SamplingConfig(max_new_tokens=_WARM_UP_TOKENS)):
+        pass
+    return time.perf_counter() - started
+
+
+def _document_info(record) -> DocumentInfo:
+    return DocumentInfo(record.id, record.name, record.n_chars, record.n_tokens, record.pages)
+
+
+def _session_info(record) -> SessionInfo:
+    return SessionInfo(record.id, record.title, record.created, record.updated, record.system_prompt)
+
+
+def _checked_text(text: str) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidAction("the message is empty; type something to send")
+    return text

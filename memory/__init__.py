@@ -1,7 +1,9 @@
 """Persistent memory: sessions, branch-aware messages, documents, and KV spans on disk.
 
-`Store` (memory/store.py) is the only code that touches the SQLite index or the span
-files; `blobs` owns the span file format; `errors` holds the named failures.
+`Store` (memory/store.py: connections, lock, open, verify; assembled from
+memory/transcript.py and memory/spans.py) is the only code that touches the SQLite
+index or the span files; `blobs` owns the span file format; `errors` holds the named
+failures.
 Importing this package does not import torch.
 """
 

@@ -1,0 +1,426 @@
+"""The chat service (chat/): sessions, streaming turns, branches, undo, export, concurrency, errors.
+
+Most tests run `chat.testing.tiny_engine()` (a random 2-layer model with a byte-level
+tokenizer, so token counts are exact byte counts); issue: "Persistent cross-turn KV
+memory: conversations that resume instantly and never lose data".
+"""
+import json
+import threading
+
+import pytest
+
+from chat.errors import (
+    ChatError,
+    ConversationNotFound,
+    ConversationTooLong,
+    EngineBusy,
+    ImportFailed,
+    InvalidAction,
+    MessageNotFound,
+    SaveFailed,
+    StorageUnavailable,
+)
+from chat.render import Renderer
+from chat.service import ChatService
+from chat.testing import tiny_engine
+from memory import blobs
+from spotlight.config import AppConfig, SamplingConfig, StoreConfig
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_engine(seed=1, max_seq_len=2048)
+
+
+@pytest.fixture
+def config(tmp_path):
+    return AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=6), system_prompt="Be brief.")
+
+
+@pytest.fixture
+def service(config, tiny):
+    service = ChatService(config, _engine=tiny)
+    yield service
+    service.close()
+
+
+def finish(turns):
+    """Run a reply to the end; returns (every streamed Turn text, the final Turn)."""
+    texts, turn = [], None
+    for turn in turns:
+        texts.append(turn.text)
+    assert turn is not None and turn.done
+    return texts, turn
+
+
+def rendered(service, session_id, *extra, prompt=False):
+    """Token ids of the visible conversation (+ extra (role, content) messages)."""
+    conversation = service._conversation(session_id, service._visible(session_id))
+    for role, content in extra:
+        conversation = conversation.plus(role, content)
+    renderer = Renderer(service.engine)
+    return renderer.prompt(conversation) if prompt else renderer.full(conversation)
+
+
+def common(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def test_create_list_rename_delete_search(service):
+    first = service.create("Trip planning")
+    second = service.create()
+    assert [s.id for s in service.list_sessions()] == [second.id, first.id]
+    assert (first.title, first.system_prompt) == ("Trip planning", "Be brief.")
+    renamed = service.rename(second.id, "  Groceries ")
+    assert renamed.title == "Groceries" and service.get(second.id).title == "Groceries"
+    finish(service.send(first.id, "Lisbon in May?"))
+    assert [s.id for s in service.search("lisb")] == [first.id]
+    assert [s.id for s in service.search("grocer")] == [second.id]
+    assert service.search("nothing-like-this") == []
+    service.delete(first.id)
+    assert [s.id for s in service.list_sessions()] == [second.id]
+    with pytest.raises(InvalidAction, match="empty"):
+        service.rename(second.id, "  ")
+
+
+def test_first_message_names_a_new_chat(service):
+    session = service.create()
+    finish(service.send(session.id, "  How do   tides work?"))
+    assert service.get(session.id).title == "How do tides work?"
+
+
+# ----------------------------------------------------------------------------- turns
+
+
+def test_send_streams_and_reports_numbers(service, tiny):
+    session = service.create()
+    prompt = rendered(service, session.id, ("user", "Hello there"), prompt=True)
+    texts, turn = finish(service.send(session.id, "Hello there"))
+    assert len(texts) == 7  # one update per generated token (6) + the final one
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert (turn.finish, turn.decode_tokens) == ("length", 6)
+    assert (turn.cached_tokens, turn.prefill_tokens, turn.restored_tokens) == (0, len(prompt), 0)
+    assert turn.prefill_tps > 0 and turn.decode_tps > 0
+    history = service.history(session.id)
+    assert [(m.role, m.content) for m in history] == [("user", "Hello there"), ("assistant", turn.text)]
+    assert (history[1].id, history[0].id) == (turn.message_id, turn.user_message_id)
+    assert history[1].stats["decode_tokens"] == 6
+
+
+def test_next_turn_prefills_only_the_new_message(service):
+    session = service.create()
+    finish(service.send(session.id, "First question"))
+    before = rendered(service, session.id)  # what the cache holds after the first turn
+    prompt = rendered(service, session.id, ("user", "Second"), prompt=True)
+    _, turn = finish(service.send(session.id, "Second"))
+    assert (turn.cached_tokens, turn.prefill_tokens) == (len(before), len(prompt) - len(before))
+
+
+def test_edit_keeps_the_old_branch_and_recomputes_only_the_suffix(service):
+    session = service.create()
+    finish(service.send(session.id, "Where should I go?"))
+    _, old = finish(service.send(session.id, "And for food?"))
+    held = rendered(service, session.id)
+    u1, a1, u2, a2 = service.history(session.id)
+    prompt = Renderer(service.engine).prompt(
+        service._conversation(session.id, service._visible(session.id)[:2]).plus("user", "Any museums?")
+    )
+    _, turn = finish(service.edit(session.id, u2.id, "Any museums?"))
+    assert turn.cached_tokens == common(held, prompt)  # everything before the edited message
+    assert turn.prefill_tokens == len(prompt) - turn.cached_tokens
+    history = service.history(session.id)
+    assert [m.content for m in history[:3]] == [u1.content, a1.content, "Any museums?"]
+    assert (history[2].branch, history[2].branches) == (1, 2)
+    restored = service.switch_branch(session.id, u2.id)
+    assert [m.id for m in restored] == [u1.id, a1.id, u2.id, a2.id]
+    assert restored[3].content == old.text
+    with pytest.raises(InvalidAction, match="only your own messages"):
+        next(service.edit(session.id, a1.id, "rewrite"))
+
+
+def test_regenerate_keeps_the_old_reply_and_reuses_the_whole_prompt(service):
+    session = service.create()
+    _, first = finish(service.send(session.id, "Tell me a story"))
+    prompt = Renderer(service.engine).prompt(service._conversation(session.id, service._visible(session.id)[:1]))
+    _, again = finish(service.regenerate(session.id))
+    assert (again.cached_tokens, again.prefill_tokens) == (len(prompt) - 1, 1)  # the last token starts decoding
+    user, reply = service.history(session.id)
+    assert (reply.id, reply.branch, reply.branches) == (again.message_id, 1, 2)
+    assert [m.id for m in service.switch_branch(session.id, first.message_id)] == [user.id, first.message_id]
+    empty = service.create()
+    with pytest.raises(InvalidAction, match="send a message first"):
+        next(service.regenerate(empty.id))
+
+
+def test_undo_hides_the_last_exchange_and_branches_from_there(service):
+    session = service.create()
+    finish(service.send(session.id, "one"))
+    finish(service.send(session.id, "two"))
+    u1, a1, u2, a2 = service.history(session.id)
+    assert service.undo(session.id) == "two"
+    assert [m.id for m in service.history(session.id)] == [u1.id, a1.id]
+    _, turn = finish(service.send(session.id, "three"))
+    history = service.history(session.id)
+    assert [m.content for m in history[:3]] == ["one", a1.content, "three"]
+    assert (history[2].branch, history[2].branches) == (1, 2)
+    assert [m.id for m in service.switch_branch(session.id, u2.id)] == [u1.id, a1.id, u2.id, a2.id]
+    assert service.undo(session.id) == "two" and service.undo(session.id) == "one"
+    assert service.history(session.id) == []
+    with pytest.raises(InvalidAction, match="nothing to undo"):
+        service.undo(session.id)
+
+
+def test_stop_stops_within_one_step_and_keeps_the_partial_reply(service):
+    session = service.create()
+    turns = service.send(session.id, "Count to a hundred")
+    first = next(turns)
+    service.stop(session.id)
+    rest = list(turns)
+    assert len(rest) == 1 and rest[0].finish == "cancelled"
+    assert (first.text, rest[0].decode_tokens) == (first.text, 1)  # no step after the one shown
+    assert service.history(session.id)[-1].content == rest[0].text
+    _, turn = finish(service.send(session.id, "next"))  # the conversation goes on
+    assert turn.finish == "length"
+
+
+def test_stop_during_prefill_stops_between_chunks(config):
+    engine = tiny_engine(seed=1, prefill_chunk=16)
+    service = ChatService(config, _engine=engine)
+    session = service.create()
+    service.attach_text(session.id, "long.txt", "word " * 100)
+    real, chunks = engine.model, []
+
+    class StopAfterThreeChunks:  # the model, with a user pressing Stop after its third call
+        tok_embeddings = real.tok_embeddings
+
+        def __call__(self, tokens, cache, policy):
+            chunks.append(len(tokens))
+            if len(chunks) == 3:
+                service.stop(session.id)
+            return real(tokens, cache, policy)
+
+    engine.model = StopAfterThreeChunks()
+    _, turn = finish(service.send(session.id, "hi"))
+    assert (turn.finish, turn.decode_tokens, chunks) == ("cancelled", 0, [16, 16, 16])
+    assert [m.role for m in service.history(session.id)] == ["user"]  # no empty reply stored
+    engine.model = real
+    _, turn = finish(service.send(session.id, "again"))
+    assert turn.finish == "length" and turn.cached_tokens == 48  # the three chunks were kept
+    service.close()
+
+
+def test_closing_the_stream_stops_and_keeps_the_partial_reply(service):
+    session = service.create()
+    turns = service.send(session.id, "Tell me everything")
+    next(turns)
+    shown = next(turns).text  # two tokens streamed, then the UI goes away (Gradio's Stop)
+    turns.close()
+    user, reply = service.history(session.id)
+    assert (reply.content, reply.stats["finish"]) == (shown, "cancelled")
+    held = rendered(service, session.id)
+    _, turn = finish(service.send(session.id, "go on"))  # not busy; the cache holds the partial reply
+    assert turn.cached_tokens == len(held)
+
+
+def test_sending_while_a_reply_streams_is_engine_busy(service):
+    session, other = service.create(), service.create()
+    running = service.send(session.id, "first")
+    next(running)
+    with pytest.raises(EngineBusy, match="still being generated.*Stop"):
+        next(service.send(session.id, "second"))
+    with pytest.raises(EngineBusy, match="one reply at a time"):  # same thread: refused, no deadlock
+        next(service.send(other.id, "elsewhere"))
+    with pytest.raises(EngineBusy):
+        service.delete(session.id)
+    finish(running)
+    finish(service.send(session.id, "second"))
+    assert [m.content for m in service.history(session.id)][::2] == ["first", "second"]
+
+
+def test_other_conversations_wait_for_the_engine(service):
+    first, second = service.create(), service.create()
+    running = service.send(first.id, "hold the engine")
+    next(running)
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(finish(service.send(second.id, "queued"))[1]))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not results  # queued behind the running reply
+    finish(running)
+    waiter.join(30)
+    assert results[0].finish == "length"
+
+
+def test_concurrent_reads_while_a_reply_commits(service):
+    session = service.create("Busy")
+    finish(service.send(session.id, "warm up"))
+    errors, done = [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            try:
+                history = service.history(session.id)
+                assert [m.role for m in history] == ["user", "assistant"] * (len(history) // 2) + [
+                    "user"
+                ] * (len(history) % 2)
+                assert session.id in [s.id for s in service.list_sessions()]
+                service.search("warm")
+                service.cache_size(session.id)
+            except Exception as error:  # reported below
+                errors.append(error)
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for reader in readers:
+        reader.start()
+    for i in range(4):
+        finish(service.send(session.id, f"message {i}"))
+    done.set()
+    for reader in readers:
+        reader.join()
+    assert errors == []
+    assert len(service.history(session.id)) == 10
+
+
+# ----------------------------------------------------------------------------- documents, export, cache
+
+
+def test_attached_document_is_in_the_prefix_and_too_long_is_refused(service):
+    session = service.create()
+    info = service.attach_text(session.id, "notes.txt", "Tuesday at noon.", pages=1)
+    assert (info.name, info.n_chars, info.n_tokens, info.pages) == ("notes.txt", 16, 16, 1)
+    assert service.documents(session.id) == [info]
+    assert b'<document name="notes.txt">\nTuesday at noon.\n</document>' in bytes(
+        t for t in rendered(service, session.id) if t < 256
+    )
+    with pytest.raises(ConversationTooLong, match="context window"):
+        service.attach_text(session.id, "huge.txt", "x" * 3000)
+    assert service.documents(session.id) == [info]
+    with pytest.raises(InvalidAction, match="empty"):
+        service.attach_text(session.id, "blank.txt", "  ")
+
+
+def test_export_import_round_trip_and_markdown(service):
+    session = service.create("Round trip")
+    service.attach_text(session.id, "notes.txt", "The café opens at 8.")
+    finish(service.send(session.id, "When does it open?"))
+    finish(service.regenerate(session.id))
+    finish(service.send(session.id, "Thanks"))
+    exported = service.export_json(session.id)
+    imported = service.import_json(exported)
+    assert imported.id != session.id and imported.title == "Round trip"
+    assert json.loads(service.export_json(imported.id)) == json.loads(exported)
+    assert [(m.role, m.content) for m in service.history(imported.id)] == [
+        (m.role, m.content) for m in service.history(session.id)
+    ]
+    markdown = service.export_markdown(session.id)
+    for message in json.loads(exported)["messages"]:  # every branch
+        assert message["content"] in markdown
+    assert "notes.txt" in markdown and "## Other branches" in markdown
+    with pytest.raises(ImportFailed, match="not JSON"):
+        service.import_json("{not json")
+    with pytest.raises(ImportFailed, match="not a Spotlight Chat session export"):
+        service.import_json(json.dumps({"format": "other"}))
+
+
+def test_cache_size_and_drop_cache(service):
+    session = service.create()
+    finish(service.send(session.id, "Keep this"))
+    size = service.cache_size(session.id)
+    assert size.session_bytes > 0 and size.ready_spans > 0 and size.evicted_spans == 0
+    assert service.drop_cache(session.id) == size.ready_spans
+    dropped = service.cache_size(session.id)
+    assert (dropped.session_bytes, dropped.ready_spans, dropped.evicted_spans) == (0, 0, size.ready_spans)
+    _, turn = finish(service.send(session.id, "again"))  # recomputed, and said so
+    assert turn.cached_tokens == 0 and any("evicted" in notice for notice in turn.notices)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_unknown_ids_are_named_errors(service):
+    for call in (
+        lambda: service.history("nope"),
+        lambda: next(service.send("nope", "hi")),
+        lambda: service.rename("nope", "x"),
+        lambda: service.delete("nope"),
+        lambda: service.export_json("nope"),
+        lambda: service.resume("nope"),
+    ):
+        with pytest.raises(ConversationNotFound, match="no conversation with id 'nope'.*conversation list"):
+            call()
+    assert issubclass(ConversationNotFound, ValueError) and issubclass(ConversationNotFound, LookupError)
+    session, other = service.create(), service.create()
+    finish(service.send(other.id, "elsewhere"))
+    foreign = service.history(other.id)[0].id
+    with pytest.raises(MessageNotFound, match="history"):
+        service.switch_branch(session.id, foreign)
+    with pytest.raises(MessageNotFound):
+        next(service.edit(session.id, foreign, "x"))
+    with pytest.raises(InvalidAction, match="empty"):
+        next(service.send(session.id, "   "))
+
+
+def test_storage_problems_are_clear_chat_errors(config, tiny, tmp_path):
+    service = ChatService(config, _engine=tiny)
+    service.list_sessions()
+    second = ChatService(config, _engine=tiny)  # same directory: the lock is held
+    with pytest.raises(StorageUnavailable, match="another Spotlight Chat process"):
+        second.list_sessions()
+    service.close()
+    import sqlite3
+
+    db = sqlite3.connect(config.store.db_path)
+    db.execute("PRAGMA user_version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(StorageUnavailable, match="upgrade Spotlight Chat"):
+        ChatService(config, _engine=tiny).list_sessions()
+    assert issubclass(StorageUnavailable, ChatError)
+
+
+def test_full_disk_commits_nothing_half(config, monkeypatch):
+    service = ChatService(config, _engine=tiny_engine(seed=1, max_seq_len=200_000))  # fits a 100 kB message
+    session = service.create()
+    finish(service.send(session.id, "saved"))
+    before = service.history(session.id)
+
+    def disk_full(file, buffer):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(blobs, "_write_all", disk_full)  # span files cannot be written
+    _, turn = finish(service.send(session.id, "still answered"))
+    assert any("Could not save this conversation's cache" in n and "No space left" in n for n in turn.notices)
+    assert len(service.history(session.id)) == 4  # the transcript is committed
+    monkeypatch.undo()
+    service.store._db.conn.execute("PRAGMA max_page_count = 1")  # the database cannot grow either
+    with pytest.raises(SaveFailed, match="Nothing was committed"):
+        next(service.send(session.id, "x" * 100_000))
+    assert service.history(session.id)[:2] == before and len(service.history(session.id)) == 4
+    service.close()
+
+
+def test_app_compatible_reply_keeps_one_conversation_per_key(service):
+    _, first = finish(service.reply("browser-tab", [], "Hi"))
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.text}]
+    _, second = finish(service.reply("browser-tab", history, "More"))
+    assert second.session_id == first.session_id and second.cached_tokens > 0
+    _, fresh = finish(service.reply("browser-tab", [{"role": "user", "content": "Other"}], "Hm"))
+    assert fresh.session_id != first.session_id  # the UI's history diverged: a new conversation
+    assert [m.content for m in service.history(fresh.session_id)][:1] == ["Other"]
+
+
+def test_store_budget_is_honoured(config, tiny, tmp_path):
+    budget = 600_000  # bytes: about two conversations of this size
+    service = ChatService(config, _engine=tiny, store_config=StoreConfig(tmp_path / "small", budget))
+    sessions = []
+    for i in range(3):
+        sessions.append(service.create())
+        service.attach_text(sessions[-1].id, f"doc{i}.txt", f"document {i} " * 60)
+        finish(service.send(sessions[-1].id, "summarise"))
+        assert service.store.disk_usage() <= budget
+    assert service.cache_size(sessions[0].id).evicted_spans > 0  # the least recently used went first
+    assert service.cache_size(sessions[-1].id).evicted_spans == 0
+    service.close()
