@@ -24,6 +24,8 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+	@# Debian's Chromium for the browser tests (never `playwright install`: it downloads browsers).
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) || echo "no chromium: browser tests will skip"
 	touch $(STAMP)
 
 setup: $(STAMP)

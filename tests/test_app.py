@@ -1,30 +1,166 @@
-"""The app over HTTP with gradio_client: a streamed answer from the default model. Issue #2."""
-import socket
-
+"""app.py's adapters, the display values of chat/ui_model.py, the upload glue of chat/documents.py,
+and one real-model flow over HTTP. Issue: "The Gradio app: a long-document chat people enjoy,
+tested in a real browser" (flows on the fake engine: test_app_flows.py; browser: test_browser.py).
+"""
 import pytest
 
-from conftest import TEST_HOME
+from app import history_from_gradio, text_of, throttled
+from chat import documents, ui_model as ui
+from chat.records import ChatMessage, DocumentInfo, Turn
+from chat.service import ChatService
+from fakes import echo_engine
+from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig
+
+# ----------------------------------------------------------------------------- adapters
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_history_from_gradio_flattens_gradio6_parts():
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "plain string", "metadata": None},
+        {"role": "user", "content": [{"type": "file", "file": {"path": "/tmp/x.pdf"}}, {"type": "text", "text": "?"}]},
+    ]
+    assert history_from_gradio(history) == [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "plain string"},
+        {"role": "user", "content": "?"},
+    ]
+    assert text_of({"type": "text", "text": "one part"}) == "one part"
+
+
+def test_throttled_drops_intermediate_items_but_never_the_last():
+    assert list(throttled(range(1000), seconds=60)) == [0, 999]
+    assert list(throttled(range(5), seconds=0)) == [0, 1, 2, 3, 4]
+    assert list(throttled([], seconds=1)) == []
+
+
+# ----------------------------------------------------------------------------- display values
+
+
+def message(role, content, **stats):
+    return ChatMessage(f"id-{role}-{content}", role, content, None, stats=stats)
+
+
+def test_chat_messages_adds_a_sources_block_when_a_reply_has_sources():
+    history = [
+        message("user", "Where is the vault?"),
+        message("assistant", "In Lisbon.", sources=[{"text": "The vault is in Lisbon.", "document": "a.pdf", "page": 9}]),
+    ]
+    messages, ids = ui.chat_messages(history)
+    assert [m["role"] for m in messages] == ["user", "assistant", "assistant"]
+    assert ids == ["id-user-Where is the vault?", "id-assistant-In Lisbon.", None]  # the block is no message
+    assert messages[2]["metadata"] == {"title": "Sources (1)", "status": "done"}
+    assert messages[2]["content"] == "> The vault is in Lisbon.\n>\n> — *a.pdf · p. 9*"
+
+
+def test_context_use_counts_documents_conversation_and_room():
+    docs = [DocumentInfo("d1", "a.txt", 4000, 1000), DocumentInfo("d2", "b.txt", 800, 200)]
+    history = [message("user", "x" * 40), message("assistant", "y" * 60)]
+    use = ui.context_use(8192, docs, history, 256, count_tokens=len, system_prompt="s" * 10)
+    markup = ui.TEMPLATE_TOKENS * 3 + ui.DOCUMENT_WRAPPER_TOKENS * 2
+    assert (use.documents, use.history) == (1200, 10 + 40 + 60 + markup)
+    assert use.room == 8192 - use.used
+    html = ui.gauge_html(use)
+    assert "documents 1,200" in html and f"room left {use.room:,} of 8,192 tokens" in html
+    assert "gauge-warn" in ui.gauge_html(ui.ContextUse(1000, 900, 50, 256))  # less room than a full reply
+
+
+def test_turn_line_shows_cached_computed_restored_and_speeds():
+    turn = Turn("s", "text", finish="eos", cached_tokens=3000, prefill_tokens=12, restored_tokens=2990,
+                prefill_tps=340.0, decode_tokens=20, decode_tps=11.5)
+    line = ui.turn_line(turn, SpotlightConfig())
+    assert line.startswith("3,000 tokens cached · 12 computed now · restored 2,990 tokens from disk")
+    assert "prefill 340 tok/s" in line and "decode 20 tokens at 11.5 tok/s" in line
+    share = 100 * SpotlightConfig().budget(3012) / 3012  # sinks + window + retrieved, of 3,012 tokens
+    assert f"Spotlight reads ≈{share:.1f}% of the context per step (estimated)" in line
+    assert "stopped" in ui.turn_line({**turn.stats(), "finish": "cancelled"}, SpotlightConfig())
+    assert ui.turn_line({}, SpotlightConfig()) == ""
+
+
+def test_spotlight_share_is_measured_when_the_turn_carries_it():
+    config = SpotlightConfig()
+    assert ui.spotlight_share(config, 10_000, measured=0.031) == "Spotlight read 3.1% of the context per step"
+    assert "dense below 2,048" in ui.spotlight_share(config, 500)
+    assert ui.spotlight_share(SpotlightConfig(enabled=False), 10_000).startswith("Spotlight off")
+    share = 100 * config.budget(10_000) / 10_000
+    assert ui.spotlight_share(config, 10_000, dense_engine=True) == \
+        f"dense decode: reads 100% per step (Spotlight would read ≈{share:.1f}%, estimated)"
+    assert ui.decodes_densely(echo_engine()) and not ui.decodes_densely(object())
+
+
+def test_chips_show_name_pages_and_tokens_escaped():
+    html = ui.chips_html([DocumentInfo("d", "<b>x</b>.txt", 10, 3), DocumentInfo("e", "r.pdf", 900, 250, pages=1)])
+    assert "&lt;b&gt;x&lt;/b&gt;.txt<small> · 3 tokens" in html and "<b>" not in html
+    assert "r.pdf<small> · 1 page · 250 tokens" in html
+    assert ui.NO_DOCUMENTS in ui.chips_html([])
+
+
+def test_apply_settings_explains_what_each_change_invalidates():
+    config = AppConfig(system_prompt="Be brief.")
+    same, notes = ui.apply_settings(config, ui.settings_form(config))
+    assert (same, notes) == (config, [])
+    form = ui.settings_form(config)
+    changed, notes = ui.apply_settings(config, ui.SettingsForm(
+        "/models/other.gguf", 0.7, form.top_p, 64, form.repetition_penalty, "Be thorough.", False, form.spotlight_ratio))
+    assert changed.engine.model_path == "/models/other.gguf" and changed.sampling.temperature == 0.7
+    assert changed.system_prompt == "Be thorough." and not changed.spotlight.enabled
+    assert [note.split(":")[0] for note in notes] == [
+        "**Model changed", "**System prompt changed", "**Spotlight changed", "**Sampling changed"]
+    with pytest.raises(ValueError, match="top_p"):
+        ui.apply_settings(config, ui.SettingsForm("", 0.0, 0.0, 64, 1.0, "", True, 0.02))
+
+
+def test_small_helpers():
+    assert ui.export_filename("Trip to Lisbon / May", ".md") == "Trip-to-Lisbon-May.md"
+    assert ui.export_filename("???", ".json") == "conversation.json"
+    assert [ui.ago(s) for s in (5, 120, 7200, 200000)] == ["just now", "2 min ago", "2 h ago", "2 d ago"]
+    assert ui.error_text(ValueError("no conversation 'x'. Pick one from the list (ChatService.list_sessions())")) == \
+        "no conversation 'x'. Pick one from the list"
+
+
+# ----------------------------------------------------------------------------- uploads
+
+
+def test_ingest_attaches_good_files_reports_bad_ones_and_prefills(tmp_path):
+    service = ChatService(AppConfig(home=tmp_path), _engine=echo_engine())
+    session = service.create()
+    good = tmp_path / "notes.md"
+    good.write_text("# Notes\n\nThe courier arrives on Tuesday.\n")
+    bad = tmp_path / "scan.pdf"
+    bad.write_bytes(b"%PDF-1.4 broken")
+    seen = []
+    report = documents.ingest(service, session.id, [str(good), str(bad)], lambda f, text: seen.append((f, text)))
+    assert [d.name for d in report.documents] == ["notes.md"]
+    assert [name for name, _ in report.errors] == ["scan.pdf"]
+    assert report.resume is not None and report.resume.n_tokens > report.documents[0].n_tokens
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert seen[0][1] == "Reading notes.md"
+    assert [d.name for d in service.documents(session.id)] == ["notes.md"]
+    service.close()
+
+
+# ----------------------------------------------------------------------------- the real model
 
 
 @pytest.fixture(scope="module")
-def app_url(engine):
-    from app import build_ui
-    from chat.service import ChatService
-    from spotlight.config import AppConfig, SamplingConfig
+def app_url(engine, tmp_path_factory):
+    from app import serve
 
-    config = AppConfig(home=TEST_HOME, sampling=SamplingConfig(max_new_tokens=24))
+    config = AppConfig(home=tmp_path_factory.mktemp("app-real"), sampling=SamplingConfig(max_new_tokens=24))
     service = ChatService(config, _engine=engine)
-    demo = build_ui(service).queue()
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    yield f"http://127.0.0.1:{port}/"
+    demo = serve(service, port=free_port(), prevent_thread_lock=True, quiet=True)
+    yield demo.local_url
     demo.close()
+    service.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.model
@@ -32,9 +168,20 @@ def test_streamed_answer_over_http(app_url):
     from gradio_client import Client
 
     client = Client(app_url, verbose=False)
-    job = client.submit(message="What is the capital of France?", api_name="/chat")
-    outputs = list(job)
-    assert outputs, "no streamed output"
+    job = client.submit("What is the capital of France?", api_name="/send")
+    replies = [out[2][-1]["content"][0]["text"] for out in job if out[2] and out[2][-1]["role"] == "assistant"]
     final = job.outputs()[-1]
-    assert "Paris" in final
-    assert all(final.startswith(o) for o in outputs if o)  # each update extends the previous text
+    assert "Paris" in replies[-1]
+    growing = [r for r in replies if r]
+    assert len(growing) >= 2 and all(b.startswith(a) for a, b in zip(growing, growing[1:]))  # streamed, in order
+    assert "tokens cached" in final[5] and "decode" in final[5]
+
+
+def test_command_line_defaults_and_password_from_the_environment(monkeypatch):
+    from app import parse_args
+
+    monkeypatch.delenv("SPOTLIGHT_PASSWORD", raising=False)
+    args = parse_args([])
+    assert (args.host, args.port, args.model, args.password, args.max_new_tokens) == ("127.0.0.1", 7860, None, None, None)
+    monkeypatch.setenv("SPOTLIGHT_PASSWORD", "from-env")
+    assert parse_args(["--port", "8000"]).password == "from-env"

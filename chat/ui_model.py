@@ -1,0 +1,326 @@
+"""Display values for the web UI, computed from the chat service's records. Pure functions.
+
+No Gradio here (app.py owns the components): these turn `SessionInfo`, `ChatMessage`,
+`DocumentInfo` and `Turn` into the strings, HTML and message dicts the components show,
+and a settings form into a new `AppConfig` plus notes on what the change costs.
+
+The context gauge counts documents by their stored token numbers and the conversation with
+the model's tokenizer plus a fixed allowance per message for the chat template's markup:
+within a few tokens of what the engine caches, and current even before the first reply.
+"""
+from __future__ import annotations
+
+import html
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from spotlight.attention import DenseDecode
+from spotlight.config import AppConfig, EngineConfig, SamplingConfig, SpotlightConfig
+
+from .records import ChatMessage, DocumentInfo, SessionInfo, Turn
+
+SUMMARIZE_PROMPT = "Summarize the document."
+EMPTY_CHAT = (
+    "### Ask about a long document\n"
+    "Attach a **.txt, .md, .pdf or .docx** file, then ask a question, or press **Summarize**. "
+    "The whole document stays in the model's context, and this conversation resumes instantly "
+    "later, even after a restart. Nothing leaves this machine.\n\n"
+    "**Enter** sends · **Shift+Enter** new line · **Esc** stops · **Ctrl+Shift+R** regenerates"
+)
+TEMPLATE_TOKENS = 5  # "<|im_start|>role\n ... <|im_end|>\n" around each message (ChatML-style templates)
+DOCUMENT_WRAPPER_TOKENS = 12  # '<document name="...">' ... '</document>' around each document (chat/render.py)
+NO_SESSIONS = "No conversations yet: press + New chat, or just type a message."
+NO_DOCUMENTS = "No document attached yet: <b>Attach</b> adds one (several are fine)."
+_TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def session_choices(sessions: list[SessionInfo], now: float | None = None) -> list[tuple[str, str]]:
+    """(label, id) pairs for the conversation list: title and how long ago it changed."""
+    now = time.time() if now is None else now
+    return [(f"{s.title} · {ago(now - s.updated)}", s.id) for s in sessions]
+
+
+def ago(seconds: float) -> str:
+    """'just now', '5 min ago', '3 h ago', '2 d ago'."""
+    if seconds < 60:
+        return "just now"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit} ago"
+    return "just now"  # unreachable; keeps type checkers calm
+
+
+def export_filename(title: str, suffix: str) -> str:
+    """A safe file name for an export: 'Trip to Lisbon' -> 'Trip-to-Lisbon.md'."""
+    stem = _TITLE_SLUG.sub("-", title).strip("-")[:60] or "conversation"
+    return f"{stem}{suffix}"
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def chat_messages(history: list[ChatMessage]) -> tuple[list[dict], list[str | None]]:
+    """Chatbot messages for the visible conversation, and the message id of each entry
+    (None for entries the UI adds, such as a "Sources" block under an answer)."""
+    messages: list[dict] = []
+    ids: list[str | None] = []
+    for message in history:
+        messages.append({"role": message.role, "content": message.content})
+        ids.append(message.id)
+        sources = message_sources(message)
+        if sources:
+            messages.append(sources_message(sources))
+            ids.append(None)
+    return messages, ids
+
+
+def without_last_reply(history: list[ChatMessage]) -> list[ChatMessage]:
+    """The history above a reply being regenerated."""
+    return history[:-1] if history and history[-1].role == "assistant" else history
+
+
+def before(history: list[ChatMessage], message_id: str) -> list[ChatMessage]:
+    """The history above `message_id` (all of it when the message is not shown)."""
+    return next((history[:i] for i, m in enumerate(history) if m.id == message_id), history)
+
+
+def user_message(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant_message(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def pending_message(title: str = "Reading the conversation…") -> dict:
+    """A spinner in place of the reply while the prompt is prefilled."""
+    return {"role": "assistant", "content": "", "metadata": {"title": title, "status": "pending"}}
+
+
+def message_sources(message) -> list:
+    """Source passages of an answer, if the service provides them (the documents issue adds
+    `sources` to messages and turns: a list of dicts with text / document / page, or strings)."""
+    sources = getattr(message, "sources", None)
+    if sources is None and isinstance(getattr(message, "stats", None), dict):
+        sources = message.stats.get("sources")
+    return list(sources or [])
+
+
+def sources_message(sources: list) -> dict:
+    """A collapsible "Sources" block with each passage, its document and page."""
+    lines = []
+    for source in sources:
+        if isinstance(source, dict):
+            where = " · ".join(str(x) for x in (source.get("document") or source.get("name"),
+                                                f"p. {source['page']}" if source.get("page") else None) if x)
+            text = source.get("text") or source.get("quote") or ""
+        else:
+            where, text = "", str(source)
+        lines.append(f"> {text.strip()}" + (f"\n>\n> — *{where}*" if where else ""))
+    return {"role": "assistant", "content": "\n\n".join(lines),
+            "metadata": {"title": f"Sources ({len(sources)})", "status": "done"}}
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+def last_stats(history: list[ChatMessage]) -> dict:
+    """Stats of the most recent assistant message ({} before the first reply)."""
+    for message in reversed(history):
+        if message.role == "assistant" and message.stats:
+            return message.stats
+    return {}
+
+
+@dataclass(frozen=True, slots=True)
+class ContextUse:
+    """How the model's context window is used, in tokens."""
+
+    window: int
+    documents: int
+    history: int  # system prompt, template markup and the conversation so far
+    reply_budget: int  # max_new_tokens
+
+    @property
+    def used(self) -> int:
+        return self.documents + self.history
+
+    @property
+    def room(self) -> int:
+        return max(0, self.window - self.used)
+
+
+def context_use(window: int, documents: list[DocumentInfo], history: list[ChatMessage], reply_budget: int,
+                count_tokens: Callable[[str], int], system_prompt: str = "") -> ContextUse:
+    """Split the context between documents and conversation. Documents count their stored
+    token numbers; the conversation is counted now (`count_tokens`) plus the chat template's
+    markup per message, so the gauge is right even before the first reply."""
+    document_tokens = sum(d.n_tokens if d.n_tokens is not None else count_tokens(d.name) for d in documents)
+    markup = TEMPLATE_TOKENS * (len(history) + 1) + DOCUMENT_WRAPPER_TOKENS * len(documents)
+    conversation = count_tokens(system_prompt) + sum(count_tokens(m.content) for m in history) + markup
+    return ContextUse(window, document_tokens, conversation, reply_budget)
+
+
+def gauge_html(use: ContextUse | None) -> str:
+    """A three-part bar: document / conversation / free, with the numbers spelled out."""
+    if use is None or use.window <= 0:
+        return '<div class="gauge-empty">Context window: model not loaded yet</div>'
+    parts = [("doc", use.documents), ("hist", use.history)]
+    bars = "".join(
+        f'<span class="g-{name}" style="width:{min(100.0, 100.0 * n / use.window):.2f}%"></span>' for name, n in parts
+    )
+    reply_room = min(use.room, use.reply_budget)
+    warn = ' gauge-warn' if use.room < use.reply_budget else ''
+    return (
+        f'<div class="gauge{warn}" title="context window {use.window:,} tokens">'
+        f'<div class="gauge-bar">{bars}</div>'
+        f'<div class="gauge-legend"><span class="k-doc">■</span> documents {use.documents:,} · '
+        f'<span class="k-hist">■</span> conversation {use.history:,} · '
+        f'<span class="k-free">■</span> room left {use.room:,} of {use.window:,} tokens '
+        f'(reply up to {reply_room:,})</div></div>'
+    )
+
+
+def spotlight_share(spotlight: SpotlightConfig, n_tokens: int, measured: float | None = None,
+                    dense_engine: bool = False) -> str:
+    """Share of the context attention reads per decode step: measured when the turn carries
+    it, else estimated from the configured budget; `dense_engine`: the engine that ran
+    decodes densely whatever the settings say."""
+    if measured is not None:
+        return f"Spotlight read {100 * measured:.1f}% of the context per step"
+    if not spotlight.enabled:
+        return "Spotlight off: every step reads the whole context"
+    if n_tokens < spotlight.dense_below:
+        return f"Spotlight: dense below {spotlight.dense_below:,} tokens (reads 100%)"
+    share = f"≈{100 * spotlight.budget(n_tokens) / n_tokens:.1f}%"
+    if dense_engine:
+        return f"dense decode: reads 100% per step (Spotlight would read {share}, estimated)"
+    return f"Spotlight reads {share} of the context per step (estimated)"
+
+
+def decodes_densely(engine) -> bool:
+    """Whether the engine attends to the whole context at every step."""
+    return isinstance(getattr(engine, "policy", None), DenseDecode)
+
+
+def turn_line(stats: dict | Turn | None, spotlight: SpotlightConfig, dense_engine: bool = False) -> str:
+    """One line of numbers for a finished (or running) turn."""
+    if stats is None:
+        return ""
+    if isinstance(stats, Turn):
+        measured = getattr(stats, "read_share", None)
+        stats = {**stats.stats(), "read_share": measured}
+    if not stats or stats.get("finish") is None and not stats.get("decode_tokens"):
+        return ""
+    cached, computed = stats.get("cached_tokens", 0), stats.get("prefill_tokens", 0)
+    restored = stats.get("restored_tokens", 0)
+    parts = [f"{cached:,} tokens cached · {computed:,} computed now"]
+    if restored:
+        parts.append(f"restored {restored:,} tokens from disk")
+    if stats.get("prefill_tps"):
+        parts.append(f"prefill {stats['prefill_tps']:,.0f} tok/s")
+    if stats.get("decode_tokens"):
+        parts.append(f"decode {stats['decode_tokens']:,} tokens at {stats.get('decode_tps', 0):,.1f} tok/s")
+    parts.append(spotlight_share(spotlight, cached + computed, stats.get("read_share"), dense_engine))
+    if stats.get("finish") == "cancelled":
+        parts.append("stopped")
+    elif stats.get("finish") == "length":
+        parts.append("reached the reply limit")
+    return " · ".join(parts)
+
+
+def live_line(turn: Turn) -> str:
+    """Numbers while a reply streams."""
+    return f"generating… {len(turn.text):,} characters"
+
+
+def chips_html(documents: list[DocumentInfo]) -> str:
+    """Attachments as chips: name, pages (when known) and tokens; never the text."""
+    if not documents:
+        return f'<div class="chips-empty">{NO_DOCUMENTS}</div>'
+    chips = []
+    for document in documents:
+        details = []
+        pages = document.pages
+        if pages:
+            details.append(f"{pages} page{'s' if pages != 1 else ''}")
+        if document.n_tokens is not None:
+            details.append(f"{document.n_tokens:,} tokens")
+        else:
+            details.append(f"{document.n_chars:,} characters")
+        chips.append(
+            f'<span class="chip" title="{html.escape(document.name)}">{html.escape(document.name)}'
+            f'<small> · {" · ".join(details)}</small></span>'
+        )
+    return '<div class="chips">' + "".join(chips) + "</div>"
+
+
+def eta_text(done: float, total: float, seconds: float) -> str:
+    """'about 12 s left' from progress so far (empty until there is a rate)."""
+    if done <= 0 or seconds <= 0 or total <= done:
+        return ""
+    left = seconds * (total - done) / done
+    return f"about {left:.0f} s left" if left < 120 else f"about {left / 60:.0f} min left"
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsForm:
+    """What the settings panel edits."""
+
+    model_path: str
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    repetition_penalty: float
+    system_prompt: str
+    spotlight_enabled: bool
+    spotlight_ratio: float
+
+
+def settings_form(config: AppConfig) -> SettingsForm:
+    s = config.sampling
+    return SettingsForm(config.engine.model_path or "", s.temperature, s.top_p, s.max_new_tokens,
+                        s.repetition_penalty, config.system_prompt, config.spotlight.enabled, config.spotlight.ratio)
+
+
+def apply_settings(config: AppConfig, form: SettingsForm) -> tuple[AppConfig, list[str]]:
+    """The config the form asks for, and a note per change about what it invalidates.
+    Raises ValueError (from the config dataclasses) for out-of-range values."""
+    engine: EngineConfig = replace(config.engine, model_path=form.model_path.strip() or None)
+    sampling: SamplingConfig = replace(
+        config.sampling, temperature=float(form.temperature), top_p=float(form.top_p),
+        max_new_tokens=int(form.max_new_tokens), repetition_penalty=float(form.repetition_penalty),
+    )
+    spotlight: SpotlightConfig = replace(config.spotlight, enabled=bool(form.spotlight_enabled),
+                                         ratio=float(form.spotlight_ratio))
+    new = config.with_(engine=engine, sampling=sampling, spotlight=spotlight, system_prompt=form.system_prompt)
+    notes = []
+    if engine != config.engine:
+        notes.append("**Model changed:** caches computed with the old model are not reused; each conversation "
+                     "is read again on its next message (its messages are kept).")
+    if form.system_prompt != config.system_prompt:
+        notes.append("**System prompt changed:** it applies to new conversations. A new system prompt is a new "
+                     "prefix, so their cache is built from scratch; existing conversations keep theirs.")
+    if spotlight != config.spotlight:
+        notes.append("**Spotlight changed:** cached codes are keyed by the Spotlight encoders, so a conversation "
+                     "cached with other settings is recomputed, not reused.")
+    if sampling != config.sampling:
+        notes.append("**Sampling changed:** applies from the next reply; cached context is kept.")
+    return new, notes
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def error_text(error: Exception) -> str:
+    """A toast message for a service error (drops hints aimed at programmers)."""
+    text = getattr(error, "message", None) or str(error)  # gr.Error keeps its text in .message
+    return re.sub(r"\s*\((ChatService|service)\.[a-z_]+\(\)\)", "", text)

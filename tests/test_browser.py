@@ -1,0 +1,355 @@
+"""End to end in headless Chromium (Playwright + Debian's /usr/bin/chromium, never `playwright install`).
+
+Issue: "The Gradio app: a long-document chat people enjoy, tested in a real browser".
+  - fast flows on the echo engine (tests/fakes.py): empty state, upload, streamed answer,
+    Esc stops mid-answer, Ctrl+Shift+R regenerates, a broken file's message, dark mode,
+    no request leaves the machine, and the render time of a 200-message conversation;
+  - the real model (SmolLM2) in a server subprocess: upload a PDF, ask about a fact on its
+    last page, stop an answer, restart the server, find the conversation and continue it
+    from the cache on disk (the status line says how many tokens were restored).
+
+Screenshots go to $SPOTLIGHT_SCREENSHOTS (e.g. docs/screenshots) when set, else to a temp dir.
+Pages load with wait_until="load": a Gradio page keeps an event stream open, so
+"networkidle" never comes.
+"""
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = os.environ.get("SPOTLIGHT_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+]
+ROOT = Path(__file__).resolve().parent.parent
+VIEWPORT = {"width": 1280, "height": 860}
+TIMEOUT_MS = 60_000  # real-model steps on a shared 2-core machine
+
+if importlib.util.find_spec("playwright") is None:
+    pytest.skip("playwright is not installed: pip install playwright==1.65.2 (no `playwright install`)",
+                allow_module_level=True)
+if not shutil.which(CHROMIUM):
+    pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install -y chromium (Debian), or set SPOTLIGHT_CHROMIUM",
+                allow_module_level=True)
+
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.outside = []  # every request that would leave this machine
+    page.on("request", lambda r: None if r.url.startswith(("http://127.0.0.1", "data:", "blob:"))
+            else page.outside.append(r.url))
+    yield page
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    target = os.environ.get("SPOTLIGHT_SCREENSHOTS")
+    directory = Path(target) if target else tmp_path_factory.mktemp("screenshots")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def shot(page, shots: Path, name: str) -> None:
+    page.mouse.move(0, 0)  # no hover effects in the picture
+    page.wait_for_timeout(500)  # let transitions (toasts, selection) settle
+    page.screenshot(path=str(shots / name))
+
+
+def open_app(page, url: str) -> None:
+    page.goto(url, wait_until="load")
+    page.locator("#msg textarea").wait_for()
+
+
+def ask(page, text: str) -> None:
+    box = page.locator("#msg textarea")
+    box.fill(text)
+    box.press("Enter")
+
+
+def attach(page, *paths) -> None:
+    with page.expect_file_chooser() as chooser:
+        page.click("#upload-btn")
+    chooser.value.set_files([str(p) for p in paths])
+
+
+def last_reply(page):
+    return page.locator("#chat [data-testid=bot]").last
+
+
+def status_line(page):
+    return page.locator("#turn-stats")
+
+
+def tokens_in(text: str, label: str) -> int:
+    return int(re.search(rf"([\d,]+) {label}", text).group(1).replace(",", ""))
+
+
+# ----------------------------------------------------------------------------- on the echo engine
+
+
+@pytest.fixture(scope="module")
+def fake_app(tmp_path_factory):
+    import app
+    from chat.service import ChatService
+    from fakes import echo_engine
+    from spotlight.config import AppConfig, SamplingConfig
+
+    config = AppConfig(home=tmp_path_factory.mktemp("browser-fake"), sampling=SamplingConfig(max_new_tokens=150))
+    service = ChatService(config, _engine=echo_engine(delay=0.03))
+    demo = app.serve(service, port=free_port(), prevent_thread_lock=True, quiet=True)
+    yield demo.local_url, service
+    demo.close()
+    service.close()
+
+
+def test_chat_flow_in_the_browser(page, fake_app, shots, tmp_path):
+    url, service = fake_app
+    open_app(page, url)
+    expect(page.locator("#chat")).to_contain_text("Ask about a long document")  # the empty state
+    shot(page, shots, "empty.png")
+
+    notes = tmp_path / "harbour-notes.md"
+    notes.write_text("# Harbour notes\n\n" + "The tide tables are on the pier. " * 60 + "\n\nThe ferry leaves at 7:40.\n")
+    attach(page, notes)
+    expect(page.locator("#chips")).to_contain_text(re.compile(r"harbour-notes\.md · [\d,]+ tokens"))
+    expect(page.locator("#gauge")).to_contain_text("documents 2,")
+
+    ask(page, "When does the ferry leave?")
+    expect(last_reply(page)).to_have_text("Echo: When does the ferry leave?")
+    expect(status_line(page)).to_contain_text("tokens cached")
+    assert tokens_in(status_line(page).inner_text(), "tokens cached") > 2000  # read at upload, reused now
+
+    ask(page, "/long tell me everything")  # Esc stops it mid-answer
+    expect(last_reply(page)).to_contain_text("word3")
+    page.keyboard.press("Escape")
+    expect(status_line(page)).to_contain_text("stopped")
+    session_id = service.list_sessions(limit=1)[0].id
+    stopped = service.history(session_id)[-1]
+    assert stopped.stats["finish"] == "cancelled" and len(stopped.content.split()) < 150
+    expect(last_reply(page)).to_have_text(stopped.content)  # what is shown is what was stored
+
+    page.keyboard.press("Control+Shift+R")  # regenerate: a second version of the last reply
+    expect(status_line(page)).to_contain_text("generating")
+    expect(last_reply(page)).to_contain_text("word3")
+    page.keyboard.press("Escape")
+    expect(status_line(page)).to_contain_text("tokens cached")
+    assert service.history(session_id)[-1].branches == 2
+    shot(page, shots, "chat-fake.png")
+
+    page.locator("#chat button[aria-label='Edit']").first.click()  # edit the first question and resubmit
+    page.locator("#chat textarea").first.fill("When does the last ferry leave?")
+    page.locator("#chat button[aria-label='Submit']").first.click()
+    expect(last_reply(page)).to_have_text("Echo: When does the last ferry leave?")
+    expect(page.locator("#chat [data-testid=user]")).to_have_count(1)  # a new branch from the first message
+    first = service.history(session_id)[0]
+    assert (first.content, first.branch, first.branches) == ("When does the last ferry leave?", 1, 2)
+    expect(status_line(page)).to_contain_text("tokens cached")
+    assert tokens_in(status_line(page).inner_text(), "tokens cached") > 2000  # the document was not read again
+
+    bad = tmp_path / "budget.xlsx"
+    bad.write_bytes(b"PK\x03\x04 not a document")
+    attach(page, bad)
+    expect(page.locator(".toast-body").last).to_contain_text(".xlsx files are not supported")
+    expect(status_line(page)).to_contain_text("⚠ budget.xlsx")
+    expect(page.locator("#chat [data-testid=user]")).to_have_count(1)  # the conversation is still shown
+    shot(page, shots, "error.png")
+
+    page.locator(".toast-close").first.click()
+    page.get_by_role("tab", name="Settings").click()
+    expect(page.locator("#settings-note")).to_be_visible()
+    shot(page, shots, "settings.png")
+    page.get_by_role("tab", name="Chat").click()
+    page.click("#dark-btn")
+    expect(page.locator("body")).to_have_class(re.compile(r"\bdark\b"))
+    shot(page, shots, "dark.png")
+    assert page.outside == []  # nothing left the machine (no fonts, no analytics)
+
+
+def test_sessions_sidebar_and_two_hundred_messages(page, fake_app, shots, capsys):
+    url, service = fake_app
+    long_one = service.create("Two hundred messages")
+    parent = None
+    for index in range(200):
+        role = "user" if index % 2 == 0 else "assistant"
+        parent = service.store.add_message(long_one.id, role, f"message {index}: " + "lorem ipsum " * 12,
+                                           parent_id=parent.id if parent else None)
+    for title in ("Lisbon trip", "Quarterly report", "Reading list"):
+        service.rename(service.create().id, title)
+    open_app(page, url)
+    sidebar = page.locator("#sessions")
+    expect(sidebar).to_contain_text("Reading list")  # the newest is open
+    search = page.locator("#search textarea")
+    search.press_sequentially("quarterly")  # typed: Gradio's input event needs key events, not fill()
+    expect(sidebar.locator("label")).to_have_count(1)
+    expect(sidebar).to_contain_text("Quarterly report")
+    search.press("Control+A")
+    search.press("Backspace")
+    expect(sidebar.locator("label")).to_have_count(len(service.list_sessions()))
+    shot(page, shots, "sessions.png")
+
+    started = time.perf_counter()
+    sidebar.get_by_text("Two hundred messages").click()
+    page.wait_for_function("() => document.querySelectorAll('#chat [data-testid=bot]').length === 100"
+                           " && document.querySelector('#chat').innerText.includes('message 199:')")
+    seconds = time.perf_counter() - started
+    with capsys.disabled():
+        print(f"\n[browser] opening a 200-message conversation rendered in {seconds:.2f} s (click to last message)")
+    expect(page.locator("#title")).to_contain_text("Two hundred messages")
+
+
+# ----------------------------------------------------------------------------- the real model
+
+
+def tiny_pdf(pages: list[str]) -> bytes:
+    """A minimal PDF with one Helvetica text block per page (enough for pypdf to extract)."""
+    objects = ["<< /Type /Catalog /Pages 2 0 R >>", "", "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    kids = []
+    for text in pages:
+        lines = " ".join(f"({line.replace(chr(92), '').replace('(', '').replace(')', '')}) Tj T*"
+                         for line in textwrap.wrap(text, 95))
+        stream = f"BT /F1 9 Tf 11 TL 40 800 Td {lines} ET"
+        objects.append(f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream")
+        objects.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 842] /Contents {len(objects)} 0 R "
+                       "/Resources << /Font << /F1 3 0 R >> >> >>")
+        kids.append(f"{len(objects)} 0 R")
+    objects[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {len(kids)} >>"
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += f"{number} 0 obj\n{body}\nendobj\n".encode("latin-1")
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += b"".join(f"{offset:010d} 00000 n \n".encode() for offset in offsets)
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+NEEDLE = "The special magic number for the city of Lisbon is 7481."
+
+
+def report_pdf(essay_text: str, path: Path, pages: int = 4, chars: int = 700) -> Path:
+    """A few pages of essay text with the needle on the last page."""
+    words = " ".join(essay_text.encode("ascii", "ignore").decode().split())  # Helvetica: keep to ASCII
+    texts = [words[i * chars:(i + 1) * chars] for i in range(pages)]
+    texts[-1] = texts[-1][: chars // 2] + " " + NEEDLE + " " + texts[-1][chars // 2:]
+    path.write_bytes(tiny_pdf(texts))
+    return path
+
+
+class Server:
+    """`python app.py` in a subprocess on its own data directory (SPOTLIGHT_HOME)."""
+
+    def __init__(self, home: Path, model_dir: Path, log: Path):
+        self.home, self.model_dir, self.log = home, model_dir, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.process = None
+
+    def start(self) -> "Server":
+        env = {**os.environ, "SPOTLIGHT_HOME": str(self.home), "GRADIO_ANALYTICS_ENABLED": "False",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        command = [sys.executable, "app.py", "--port", str(self.port), "--model", str(self.model_dir),
+                   "--max-new-tokens", "32"]
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the server exited: {self.log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError(f"the server did not start in 180 s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.mark.model
+def test_long_document_answer_stop_restart_and_resume(page, essay_text, shots, tmp_path):
+    from conftest import TEST_HOME
+    from spotlight.loading import resolve
+
+    model_dir = resolve(None, TEST_HOME).hf_dir  # the default SmolLM2, converted once for the test suite
+    pdf = report_pdf(essay_text, tmp_path / "lisbon-report.pdf")
+    server = Server(tmp_path / "home", model_dir, tmp_path / "server.log").start()
+    try:
+        open_app(page, server.url)
+        attach(page, pdf)
+        chip = page.locator("#chips")
+        expect(chip).to_contain_text(re.compile(r"lisbon-report\.pdf · 4 pages · [\d,]+ tokens"), timeout=120_000)
+        document_tokens = tokens_in(chip.inner_text(), "tokens")
+
+        ask(page, "According to the document, what is the special magic number for the city of Lisbon?")
+        expect(status_line(page)).to_contain_text("tokens cached", timeout=120_000)
+        answer = last_reply(page).inner_text()
+        assert "7481" in answer, f"the fact on the last page was not found: {answer!r}"
+        sources = page.locator("#chat").get_by_text(re.compile(r"^Sources \("))
+        if sources.count():  # once turns carry sources (the documents issue)
+            expect(page.locator("#chat")).to_contain_text("7481")
+        shot(page, shots, "chat.png")
+
+        ask(page, "Write a long story about a sailor in Lisbon.")
+        expect(page.locator("#chat [data-testid=user]")).to_have_count(2)
+        expect(status_line(page)).to_contain_text("generating", timeout=120_000)  # the first words are shown
+        page.click("#stop-btn")
+        expect(status_line(page)).to_contain_text("stopped", timeout=30_000)
+        title = page.locator("#title").inner_text()
+    finally:
+        server.stop()
+
+    server = Server(tmp_path / "home", model_dir, tmp_path / "server.log").start()  # same data directory
+    try:
+        open_app(page, server.url)
+        page.locator("#sessions").get_by_text(title.strip()).click()
+        expect(page.locator("#chat [data-testid=user]")).to_have_count(2)
+        expect(page.locator("#chips")).to_contain_text("lisbon-report.pdf")
+
+        ask(page, "Thank you. In one sentence, what is the report about?")
+        expect(status_line(page)).to_contain_text("restored", timeout=120_000)
+        numbers = status_line(page).inner_text()
+        restored, computed = tokens_in(numbers, "tokens from disk"), tokens_in(numbers, "computed now")
+        assert restored > document_tokens, numbers  # document + conversation came back from disk
+        assert computed < document_tokens // 4, numbers  # the new question was read, not the document again
+        shot(page, shots, "restored.png")
+        assert page.outside == []
+    finally:
+        server.stop()
