@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from memory import DocumentId, MessageId, SessionId
 
-__all__ = ["ChatMessage", "DocumentInfo", "MessageId", "ResumeReport", "SessionId", "SessionInfo", "Turn"]
+__all__ = ["ChatMessage", "DocumentInfo", "MessageId", "ResumeReport", "SessionId", "SessionInfo", "Source", "Turn"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +51,24 @@ class DocumentInfo:
     pages: int | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class Source:
+    """A document passage that received much of an answer's attention (chat/sources.py).
+
+    `weight`: its share of the attention mass the answer put on all attached documents."""
+
+    document: str
+    page: int | None
+    heading: str | None
+    quote: str
+    weight: float
+
+    def as_dict(self) -> dict:
+        """The shape stored with the assistant message and read by the UI (chat/ui_model.py)."""
+        return {"document": self.document, "page": self.page, "heading": self.heading,
+                "quote": self.quote, "text": self.quote, "weight": round(self.weight, 4)}
+
+
 @dataclass(slots=True)
 class Turn:
     """A reply in progress (yielded after each generated token) or finished (`finish` set).
@@ -74,6 +92,7 @@ class Turn:
     notices: list[str] = field(default_factory=list)
     user_message_id: MessageId | None = None
     message_id: MessageId | None = None  # the assistant message, once stored
+    sources: list[Source] | None = None  # set on the final Turn when the prompt holds documents
 
     @property
     def done(self) -> bool:
@@ -81,7 +100,7 @@ class Turn:
 
     def stats(self) -> dict:
         """The numbers worth keeping with the assistant message."""
-        return {
+        stats = {
             "finish": self.finish,
             "cached_tokens": self.cached_tokens,
             "prefill_tokens": self.prefill_tokens,
@@ -90,6 +109,9 @@ class Turn:
             "decode_tokens": self.decode_tokens,
             "decode_tps": round(self.decode_tps, 1),
         }
+        if self.sources:
+            stats["sources"] = [source.as_dict() for source in self.sources]
+        return stats
 
 
 @dataclass(slots=True)

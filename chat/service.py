@@ -27,7 +27,15 @@ from spotlight.config import AppConfig, SamplingConfig, StoreConfig
 from spotlight.errors import SpotlightError
 
 from . import export
-from .errors import ChatError, ConversationTooLong, ImportFailed, InvalidAction, MessageNotFound, ModelUnavailable, translated
+from .errors import (
+    ChatError,
+    ConversationTooLong,
+    ImportFailed,
+    InvalidAction,
+    MessageNotFound,
+    ModelUnavailable,
+    translated,
+)
 from .records import ChatMessage, DocumentInfo, MessageId, ResumeReport, SessionId, SessionInfo, Turn
 from .render import Conversation, system_text
 from .runtime import CancelFlags, ContextPool, EngineGate
@@ -182,15 +190,13 @@ class ChatService:
         """A new reply to the last user message; the previous reply stays as a sibling branch."""
         with translated(session_id), self._flags.running(session_id) as cancel:
             records = self._visible(session_id)
-            store_reply = None
-            if records and records[-1].role == "assistant":
-                old = records.pop()
-                store_reply = lambda content, stats: self.store.add_sibling(old.id, content, metadata={"stats": stats})  # noqa: E731
+            old = records.pop() if records and records[-1].role == "assistant" else None
             if not records or records[-1].role != "user":
                 raise InvalidAction("there is no reply to regenerate yet; send a message first")
             user = records[-1]
+            store_reply = self._sibling_of(old.id) if old else self._reply_to(session_id, user.id)
             plan = ReplyPlan(session_id, self._conversation(session_id, records), [r.id for r in records],
-                             store_reply or self._reply_to(session_id, user.id))
+                             store_reply)
             yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
 
     def edit(self, session_id: SessionId, message_id: MessageId, text: str) -> Iterator[Turn]:
@@ -304,6 +310,38 @@ class ChatService:
         self._pool.drop(session_id)
         return len(dropped)
 
+    # ------------------------------------------------------------------ summaries
+
+    def summarize(self, session_id: SessionId, progress=None) -> Iterator[Turn]:
+        """Summarise the attached documents: one pass through `send` when the conversation,
+        the request and a full reply fit the window; otherwise map-reduce over segment
+        groups (chat/summarize.py), labelled as such, with one notice per part and
+        `progress(done, total, text)`. Both store the request and the answer."""
+        from . import summarize as summary
+
+        with translated(session_id):
+            records = self._visible(session_id)
+            conversation = self._conversation(session_id, records).plus("user", summary.REQUEST)
+            documents = [self._document(d.id) for d in self.store.session_documents(session_id)]
+        if not documents:
+            raise InvalidAction("there is no document to summarize; attach one first")
+        prompt = self.runner.renderer.prompt(conversation)
+        if len(prompt) + self.config.sampling.max_new_tokens <= self.engine.max_context:
+            yield from self.send(session_id, summary.REQUEST)
+            return
+        with translated(session_id), self._flags.running(session_id) as cancel:
+            user = self.store.add_message(session_id, "user", summary.REQUEST,
+                                          parent_id=records[-1].id if records else None)
+            turn = Turn(session_id, user_message_id=user.id)
+            system = self.store.get_session(session_id).system_prompt
+            with self._gate.hold(session_id):
+                yield from summary.map_reduce(self.engine, self.config.sampling, system, documents, turn,
+                                              cancel, progress)
+            stats = {**turn.stats(), "summary": "map-reduce"}
+            turn.message_id = self.store.add_message(session_id, "assistant", turn.text, parent_id=user.id,
+                                                     metadata={"stats": stats}).id
+        yield turn
+
     # ------------------------------------------------------------------ app.py compatibility
 
     def reply(self, conversation: str, history: list[dict], user_text: str) -> Iterator[Turn]:
@@ -372,6 +410,11 @@ class ChatService:
         def store_reply(content: str, stats: dict) -> MessageRecord:
             return self.store.add_message(session_id, "assistant", content, parent_id=user_id,
                                           metadata={"stats": stats})
+        return store_reply
+
+    def _sibling_of(self, reply_id: MessageId):
+        def store_reply(content: str, stats: dict) -> MessageRecord:
+            return self.store.add_sibling(reply_id, content, metadata={"stats": stats})
         return store_reply
 
     def _title_from(self, session_id: SessionId, text: str) -> None:

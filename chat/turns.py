@@ -26,6 +26,7 @@ from .kv import CacheKey, Restored, SpanCache
 from .records import ResumeReport, Turn
 from .render import Conversation, Renderer
 from .runtime import ContextPool, EngineGate
+from .sources import SourceTracker
 
 _END_OF_TURN_ROOM = 16  # tokens: the end-of-turn marker that settling appends after a reply
 StoreReply = Callable[[str, dict], MessageRecord]  # (content, stats) -> the committed assistant message
@@ -40,6 +41,7 @@ class ReplyPlan:
     conversation: Conversation
     message_ids: list[MessageId]
     store_reply: StoreReply
+    sources: bool = True  # tally the reply's attention over attached documents (chat/sources.py)
 
 
 @dataclass(slots=True)
@@ -83,6 +85,9 @@ class TurnRunner:
             prepared = self._prepare(plan.session_id, plan.conversation, prompt, cancel, capacity)
             self._report_restore(turn, prepared.restored)
             prepared.context.cache.reserve(capacity)
+            tracker = SourceTracker.for_prompt(self.engine, plan.conversation.system, prompt) if plan.sources else None
+            if tracker is not None:
+                tracker.start()
             try:
                 for step in self.engine.stream(prepared.context, prompt, self.sampling, cancel=cancel):
                     turn.text += step.text
@@ -93,6 +98,11 @@ class TurnRunner:
             except GeneratorExit:
                 closed, turn.finish = True, "cancelled"
                 cancel.set()
+            finally:
+                if tracker is not None:
+                    tracker.stop()
+            if tracker is not None and turn.text:
+                turn.sources = tracker.sources() or None
             pending = self._commit(plan, turn, prepared, cancel)
         turn.notices += self._save(plan.session_id, prepared, pending)
         if not closed:  # a closed generator must not yield again
@@ -113,7 +123,9 @@ class TurnRunner:
 
     # ------------------------------------------------------------------ resume
 
-    def resume(self, session_id: SessionId, conversation: Conversation, message_ids: list[MessageId], cancel) -> ResumeReport:
+    def resume(
+        self, session_id: SessionId, conversation: Conversation, message_ids: list[MessageId], cancel
+    ) -> ResumeReport:
         """Make the conversation's Context ready: from memory, else from its spans, then
         prefill whatever is not stored, and store it."""
         started = time.perf_counter()
@@ -124,7 +136,9 @@ class TurnRunner:
         self.engine.check_fits(len(full))
         with self.gate.hold(session_id):
             prepared = self._prepare(session_id, conversation, full, cancel)
-            pending, report.computed_tokens = self._settle(session_id, prepared, conversation, message_ids, cancel=cancel)
+            pending, report.computed_tokens = self._settle(
+                session_id, prepared, conversation, message_ids, cancel=cancel
+            )
         restored = prepared.restored
         report.from_memory = restored is None
         if restored is not None:

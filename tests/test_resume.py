@@ -225,8 +225,9 @@ def test_the_same_document_is_prefilled_once_across_conversations(tiny, tmp_path
 def test_kill_9_during_ingestion_and_generation_loses_nothing(tmp_path):
     from bench.crash import soak
 
-    results = soak(tmp_path, trials=2, seed=7, max_delay_s=1.5)
-    assert [(r.trial, r.problems) for r in results] == [(0, []), (1, [])]
+    results = soak(tmp_path, trials=2, seed=7)  # + a final check resuming everything
+    assert [(r.trial, r.problems) for r in results] == [(0, []), (1, []), (2, [])]
+    assert results[-1].sessions >= 1 and results[-1].committed >= 0
 
 
 def _fps(service, session_id):
