@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -234,6 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--spotlight", action="store_true",
                    help="Spotlight decode, with key codes in the spans (default: dense, as the app)")
     args = p.parse_args(argv)
+    load_before = os.getloadavg()[0]
     engine = load_engine(args.spotlight)
     with tempfile.TemporaryDirectory(prefix="spotlight-resume-") as tmp:
         real = real_row(engine, Path(tmp), args.spotlight)
@@ -261,6 +263,9 @@ def main(argv=None) -> int:
         + ("Its recompute is **estimated** from the 8K recompute measured above, scaled quadratically "
            "(x16.7; linear scaling would give x4, i.e. a 4x smaller speedup)." if args.quick
            else "Its recompute was measured (32K random tokens prefilled in 512-token chunks + one step).")
+        + f" Load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
+        f"{os.cpu_count()} cores: other jobs share this machine, and short timings (resume) suffer "
+        "more from that than long ones (recompute)."
         + " Span files are in the page cache (warm disk). restore_s is mostly allocating and zero-filling "
         "a fresh 1.5 GiB fp32 KV cache (KVCache uses torch.zeros) and copying the mapped spans into it."
     )

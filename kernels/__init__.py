@@ -11,6 +11,14 @@ torch tensors run on kernels/cuda.py and return CuPy arrays. `use_backend(name)`
 ("cpu", "numpy" or "cuda"), for tests and benchmarks. Both backends give bit-identical integer
 results; the semantics (bit order, scores, the tie rule) are written once in kernels/cpu.py.
 
+Decode-step attention (`attend`, `gather_attend`: exact softmax attention of one query step
+over all cached rows or over selected rows, reading them in place) lives in kernels/attend_cpu.py
+(CPU) and kernels/cuda.py; `mlp_codes` (query encoder + pack in one call) is CPU only
+(kernels/encode.py). Two-level retrieval (kernels/ranges.py): `ranges_score_select`, the flat
+selection over each head's token ranges, runs on both backends (CUDA: kernels/retrieval.cu
+`range_scores`, compile-checked only so far); the host-side segment table's helpers
+(`bit_counts`, `segment_scores`, `pick_ranges`) are CPU only.
+
 CPU threads: `set_threads(n)` (default 1, measured in kernels/cpu.py). Importing this package
 never imports cupy; the CUDA backend raises `CudaUnavailable` when asked for without a usable
 GPU. Packed codes may be given as uint64 or int64 (same bits).
@@ -21,13 +29,18 @@ import contextlib
 import functools
 import types
 
+from . import attend_cpu as _attend
 from . import cpu
+from . import ranges as _ranges
 from .cpu import Layout, Scratch, selection_layout, set_threads, words_for
+from .encode import mlp_codes
+from .ranges import bit_counts, pick_ranges, segment_scores
 
 __all__ = [
     "pack", "pack_into", "scores", "select", "score_select", "make_scratch", "gather",
     "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
-    "set_threads",
+    "set_threads", "attend", "gather_attend", "make_attend_scratch", "mlp_codes",
+    "bit_counts", "segment_scores", "pick_ranges", "ranges_score_select",
 ]
 
 BACKENDS = ("cpu", "numpy", "cuda")
@@ -68,12 +81,24 @@ def use_backend(name: str):
 def _numpy_backend():
     names = ("pack", "pack_into", "scores", "select", "score_select", "gather")
     funcs = {name: functools.partial(getattr(cpu, name), jit=False) for name in names}
-    return types.SimpleNamespace(make_scratch=cpu.make_scratch, **funcs)
+    funcs.update({name: functools.partial(getattr(_attend, name), jit=False) for name in ("attend", "gather_attend")})
+    funcs["ranges_score_select"] = functools.partial(_ranges.ranges_score_select, jit=False)
+    return types.SimpleNamespace(make_scratch=cpu.make_scratch, make_attend_scratch=_attend.make_attend_scratch, **funcs)
+
+
+@functools.cache
+def _cpu_backend():
+    """kernels/cpu.py plus the CPU attention kernels, as one namespace."""
+    names = ("pack", "pack_into", "scores", "select", "score_select", "gather", "make_scratch")
+    funcs = {name: getattr(cpu, name) for name in names}
+    funcs.update({name: getattr(_attend, name) for name in ("attend", "gather_attend", "make_attend_scratch")})
+    funcs["ranges_score_select"] = _ranges.ranges_score_select
+    return types.SimpleNamespace(**funcs)
 
 
 def _backend(name: str):
     if name == "cpu":
-        return cpu
+        return _cpu_backend()
     if name == "numpy":
         return _numpy_backend()
     from . import cuda  # imports cupy lazily and checks for a device
@@ -129,3 +154,39 @@ def make_scratch(q_codes, k_codes):
 def gather(kv, idx, out=None):
     """out[h, j] = kv[h, idx[h, j]]: kv (Hkv, N, D), idx (Hkv, K) -> (Hkv, K, D), kv's dtype and array type."""
     return _pick(kv).gather(kv, idx, out=out)
+
+
+def attend(q, k, v, n: int, out=None, scratch=None):
+    """Exact softmax attention of q (H, D) over rows [0, n) of k, v (Hkv, Ncap, D) -> (H, D).
+
+    Query head h * G + g reads KV head h. CPU: float32; out (H, D) float32 C-contiguous;
+    scratch: make_attend_scratch(q, k), reused every step.
+    """
+    return _pick(k).attend(q, k, v, n, out=out, scratch=scratch)
+
+
+def gather_attend(q, k, v, idx, out=None, scratch=None):
+    """Exact softmax attention of q (H, D) over the rows idx (Hkv, K) int32 of k, v (Hkv, Ncap, D) -> (H, D).
+
+    The rows are read in place (no gathered copy); attend(q, k, v, n) equals gather_attend over
+    idx = [0, n) per head up to float rounding.
+    """
+    return _pick(k).gather_attend(q, k, v, idx, out=out, scratch=scratch)
+
+
+def make_attend_scratch(q, k):
+    """Buffers of attend / gather_attend for q (H, D) and k (Hkv, Ncap, D); independent of n and Ncap."""
+    return _pick(k).make_attend_scratch(q, k)
+
+
+def ranges_score_select(q_codes, k_codes, n: int, range_lo, range_hi, range_count, k: int, sinks: int, window: int,
+                        out=None, scratch=None):
+    """score_select over each head's token ranges only: int32 (Hkv, K), the flat layout and tie rule.
+
+    range_lo / range_hi (Hkv, R) int64, range_count (Hkv,): head h scans [range_lo[h, i], range_hi[h, i])
+    for i < range_count[h] (ascending, disjoint, inside [sinks, n - window)), at least min(k, middle)
+    tokens per head. Ranges covering the whole middle give score_select's result exactly.
+    scratch: make_scratch(q_codes, k_codes).
+    """
+    return _pick(k_codes).ranges_score_select(q_codes, k_codes, n, range_lo, range_hi, range_count, k, sinks, window,
+                                               out=out, scratch=scratch)

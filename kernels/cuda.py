@@ -33,6 +33,7 @@ THREADS = 256  # threads per block of every kernel (a multiple of 32)
 SEGMENT = 4096  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
 MAX_BLOCKS = 4096  # token blocks per head of the grid-stride scoring kernels
 MAX_BINS = 12288  # histogram bins (int32) in the 48 KiB of shared memory a launch gets without opt-in
+RANGE_SPLIT = 8  # blocks per range in range_scores (a range may be one 512-token segment or the whole middle)
 
 
 @functools.cache
@@ -252,6 +253,47 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
     return dest
 
 
+def ranges_score_select(q_codes, k_codes, n: int, range_lo, range_hi, range_count, k: int, sinks: int, window: int,
+                        out=None, scratch=None):
+    """kernels/ranges.py `ranges_score_select` on the device, bit-identical.
+
+    Ranges given as numpy arrays are checked on the host (coverage >= retrieved per head) and
+    uploaded; device arrays are trusted (checking them would sync). The middle of the scratch's
+    score rows is zeroed, the ranges' tokens scored (+ 1), then the histogram selection runs.
+    """
+    cp = _cupy()
+    q, kc = _codes(q_codes, "q_codes"), _codes(k_codes, "k_codes")
+    hkv, group, words = _check_codes(q, kc, n)
+    layout = selection_layout(n, k, sinks, window)
+    dest = _result(out, (hkv, layout.size), np.int32)
+    if isinstance(range_lo, np.ndarray):
+        from .ranges import _scanned_tokens
+
+        lo_h, hi_h, count_h = (np.asarray(a, np.int64) for a in (range_lo, range_hi, range_count))
+        if _scanned_tokens(lo_h, hi_h, count_h, layout.sinks_end, layout.window_start) < layout.retrieved:
+            raise ValueError(f"ranges must be ascending, disjoint, inside [{layout.sinks_end}, {layout.window_start}) "
+                             f"and hold >= {layout.retrieved} tokens per head")
+    lo, hi, count = (_contiguous(cp.asarray(a, dtype=np.int64), name)
+                     for a, name in ((range_lo, "range_lo"), (range_hi, "range_hi"), (range_count, "range_count")))
+    if layout.retrieved in (0, layout.middle):
+        return _fill_all(dest, layout)
+    buf = scratch if scratch is not None else make_scratch(q, kc)
+    bins = group * words * WORD_BITS + 2
+    if bins > MAX_BINS or buf.scores.shape != (hkv, kc.shape[2]):
+        raise ValueError("scratch was made for other q_codes / k_codes shapes, or G * W * 64 is too large")
+    hist = cp.zeros((hkv, bins), np.int32)  # NOTE: from CuPy's pool; one more bin than score_select's
+    buf.scores[:, layout.sinks_end : layout.window_start] = 0
+    slots = lo.shape[1]
+    _kernel("range_scores")(
+        (max(1, slots * RANGE_SPLIT), hkv), (THREADS,),
+        (q, kc, lo, hi, count, np.int32(slots), np.int32(RANGE_SPLIT), buf.scores, np.int64(kc.shape[2]),
+         np.int64(kc.shape[2]), np.int32(group), np.int32(words), hist, np.int32(bins)),
+        shared_mem=group * words * 8 + bins * 4,
+    )
+    _select_from_hist(buf.scores, kc.shape[2], layout, _SelectBuffers(hist, buf.seg_counts), dest)
+    return dest
+
+
 def _select_from_hist(s, stride, layout, buf, dest) -> None:
     """Per-segment counts, then the ordered write (with the forced indices); each finds the cut itself."""
     hkv, bins = buf.hist.shape
@@ -284,6 +326,46 @@ def gather(kv, idx, out=None):
     for h in range(a.shape[0]):
         cp.take(a[h], i[h], axis=0, out=dest[h])
     return dest
+
+
+def attend(q, k, v, n: int, out=None, scratch=None):
+    """Exact attention of q (H, D) over rows [0, n) of k, v (Hkv, Ncap, D), as kernels/attend_cpu.py."""
+    qa, ka, va = _as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v")
+    if not 0 <= n <= ka.shape[1]:
+        raise ValueError(f"n = {n} outside the cache's capacity {ka.shape[1]}")
+    return _softmax_attend(qa, ka[:, :n], va[:, :n], out)
+
+
+def gather_attend(q, k, v, idx, out=None, scratch=None):
+    """Exact attention of q (H, D) over the rows idx (Hkv, K) of k, v (Hkv, Ncap, D)."""
+    cp = _cupy()
+    qa, ka, va, rows = _as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), _as_cupy(idx, "idx")
+    if rows.ndim != 2 or rows.shape[0] != ka.shape[0]:
+        raise ValueError(f"idx must be (Hkv, K) = ({ka.shape[0]}, K), got {rows.shape}")
+    heads = cp.arange(ka.shape[0])[:, None]  # (Hkv, 1)
+    return _softmax_attend(qa, ka[heads, rows], va[heads, rows], out)  # gathered (Hkv, K, D)
+
+
+def _softmax_attend(q, k, v, out):
+    """q (H, D) over k, v (Hkv, K, D) in the inputs' float type with fp32 softmax -> (H, D)."""
+    cp = _cupy()
+    hkv, count, dim = k.shape
+    if q.ndim != 2 or q.shape[1] != dim or q.shape[0] % hkv:
+        raise ValueError(f"need q (H, D) with Hkv | H; got q {q.shape}, k {k.shape}")
+    dest = _result(out, q.shape, q.dtype)
+    if count == 0:
+        dest.fill(0)
+        return dest
+    logits = cp.matmul(q.reshape(hkv, -1, dim), k.transpose(0, 2, 1)).astype(np.float32) / np.float32(dim**0.5)
+    weights = cp.exp(logits - logits.max(-1, keepdims=True))  # (Hkv, G, K)
+    weights /= weights.sum(-1, keepdims=True)
+    dest[...] = cp.matmul(weights.astype(v.dtype), v).reshape(q.shape)  # (H, D)
+    return dest
+
+
+def make_attend_scratch(q, k):
+    """No scratch on the device (CuPy allocates from its memory pool)."""
+    return None
 
 
 # ----------------------------------------------------------------------------- scratch

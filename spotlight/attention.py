@@ -1,7 +1,8 @@
 """Decode-time attention policies: dense, and Spotlight with pluggable selectors.
 
 Shape legend: H query heads, Hkv KV heads, G = H / Hkv, D head dim, C code bits,
-W packed words, N cached tokens (including the one being decoded), K selected tokens.
+W packed words, N cached tokens (including the one being decoded), Ncap cache capacity,
+K selected tokens.
 
 A policy is called by every layer of the model:
   - `on_new_tokens(layer, q, k, cache)` when T new tokens' post-RoPE queries (H, T, D)
@@ -11,15 +12,23 @@ A policy is called by every layer of the model:
 Prefill chunks always attend densely (see model.causal_attention).
 
 `SpotlightDecode` keeps, per KV head, the first `sinks` and last `window` tokens plus the
-`retrieved = max(k_min, ratio * N)` others that its selector ranks highest, gathers those
-K/V rows and runs exact softmax attention over them. Every selector (Spotlight codes,
-random SimHash, exact top-k, Quest pages, sinks + window only) returns the same layout
+`retrieved = max(k_min, ratio * N)` others that its selector ranks highest, and runs exact
+softmax attention over those rows. Every selector (Spotlight codes, random SimHash, exact
+top-k, Quest pages, sinks + window only) returns the same layout
 (`kernels.selection_layout`), so budgets are identical across methods.
+
+Fast path (CPU, fp32 cache, numba): attention reads the selected rows in place
+(`kernels.gather_attend`, no gathered copies) and dense layers stream the cache once
+(`kernels.attend`); query codes come from one fused MLP + pack call. Buffers are allocated
+once per geometry or capacity and reused, so a step allocates nothing in Python. Elsewhere
+(CUDA, bf16/fp16) the torch path (gather + SDPA) runs; both are exact softmax attention.
+NOTE: the output of `decode` is a reused buffer, valid until the next call of the policy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,16 +39,57 @@ from .hashing import Encoders
 from .model import dense_decode
 
 
+def fast_path(q: torch.Tensor, cache) -> bool:
+    """Whether the numba kernels serve this step: CPU, fp32 queries and cache, numba installed."""
+    return (kernels.cpu.HAVE_NUMBA and q.device.type == "cpu" and q.dtype == torch.float32
+            and cache.k.dtype == torch.float32)
+
+
+class Attend:
+    """Exact decode attention over all cached rows or selected rows; owns the step's buffers."""
+
+    def __init__(self):
+        self._out: torch.Tensor | None = None  # (H, D) fp32, reused by every layer and step
+        self._scratch = None  # kernels.attend scratch for (H, Hkv, D)
+
+    def _buffers(self, q: torch.Tensor, k: torch.Tensor):
+        """The (H, D) output and kernel scratch for q (H, 1, D) over k (Hkv, Ncap, D), made once."""
+        if self._out is None or self._out.shape != q[:, 0].shape or not self._scratch.fits(q.shape[0], *k.shape[::2]):
+            self._out = torch.empty(q[:, 0].shape)  # (H, D)
+            self._scratch = kernels.make_attend_scratch(self._out, k)
+        return self._out, self._scratch
+
+    def dense(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
+        """q (H, 1, D) over the N = cache.length + 1 rows of `layer` (the new key is written) -> (H, 1, D)."""
+        n = cache.length + 1
+        if not fast_path(q, cache):
+            return dense_decode(q, cache.keys(layer, 1), cache.values(layer, 1))  # (H, 1, D)
+        out, scratch = self._buffers(q, cache.k[layer])
+        kernels.attend(q[:, 0], cache.k[layer], cache.v[layer], n, out=out, scratch=scratch)
+        return out.unsqueeze(1)  # (H, 1, D)
+
+    def sparse(self, layer: int, q: torch.Tensor, cache, idx) -> torch.Tensor:
+        """q (H, 1, D) over the rows idx (Hkv, K) of `layer` -> (H, 1, D)."""
+        if not fast_path(q, cache):
+            return sparse_decode(q, cache.k[layer], cache.v[layer], idx)  # (H, 1, D)
+        out, scratch = self._buffers(q, cache.k[layer])
+        kernels.gather_attend(q[:, 0], cache.k[layer], cache.v[layer], idx, out=out, scratch=scratch)
+        return out.unsqueeze(1)  # (H, 1, D)
+
+
 class DenseDecode:
     """Exact attention over every cached token."""
 
     code_words = 0
 
+    def __init__(self):
+        self.attend = Attend()
+
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         pass
 
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
-        return dense_decode(q, cache.keys(layer, 1), cache.values(layer, 1))  # (H, 1, D)
+        return self.attend.dense(layer, q, cache)  # (H, 1, D)
 
 
 @dataclass
@@ -57,6 +107,7 @@ class SpotlightDecode:
         self.config = config
         self.selector = selector
         self.record: StepRecord | None = None  # set to StepRecord() to keep each step's selections
+        self.attend = Attend()
 
     @property
     def code_words(self) -> int:
@@ -72,22 +123,22 @@ class SpotlightDecode:
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         n = cache.length + 1  # the key of the token being decoded is already written
         if self.is_dense(layer, n):
-            return dense_decode(q, cache.keys(layer, 1), cache.values(layer, 1))  # (H, 1, D)
+            return self.attend.dense(layer, q, cache)  # (H, 1, D)
         c = self.config
         retrieved = max(c.k_min, int(c.ratio * n))
         idx = self.selector.select(layer, q, cache, n, retrieved, c.sinks, c.window)  # (Hkv, K) int
         if self.record is not None:
             self.record.n_tokens = n
             self.record.selected = self.record.selected or {}
-            self.record.selected[layer] = idx
-        return sparse_decode(q, cache.k[layer], cache.v[layer], idx)  # (H, 1, D)
+            self.record.selected[layer] = np.array(idx, copy=True)  # idx may be a reused buffer
+        return self.attend.sparse(layer, q, cache, idx)  # (H, 1, D)
 
 
 def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx) -> torch.Tensor:
-    """Attention of q (H, 1, D) over the rows idx (Hkv, K) of k_all, v_all (Hkv, Ncap, D)."""
+    """Attention of q (H, 1, D) over the rows idx (Hkv, K) of k_all, v_all (Hkv, Ncap, D); torch ops."""
     H, _, D = q.shape
     Hkv = k_all.shape[0]
-    idx = torch.as_tensor(idx, dtype=torch.long)  # (Hkv, K)
+    idx = torch.as_tensor(idx, dtype=torch.long, device=k_all.device)  # (Hkv, K)
     k_sel = torch.gather(k_all, 1, idx.unsqueeze(-1).expand(-1, -1, D))  # (Hkv, K, D)
     v_sel = torch.gather(v_all, 1, idx.unsqueeze(-1).expand(-1, -1, D))  # (Hkv, K, D)
     out = F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k_sel[None], v_sel[None])  # (1, Hkv, G, D)
@@ -98,26 +149,55 @@ def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx
 
 
 class CodeSelector:
-    """Hamming top-k over packed codes: Spotlight (trained or untrained) or random SimHash."""
+    """Hamming top-k over packed codes: Spotlight (trained or untrained) or random SimHash.
+
+    On the fast path the query codes come from `kernels.encode.mlp_codes` over views of the
+    encoder's parameters (in place: retraining them in place is seen), and the selection is
+    written into a buffer of the cache's capacity (reused: copy it to keep it).
+    """
 
     def __init__(self, encoders: Encoders):
         self.encoders = encoders
         self.code_words = kernels.words_for(encoders.spec.bits)
-        self._scratch = {}  # capacity -> kernels scratch (reused every step)
+        self._capacity = None  # the code buffer's shape (Hkv, W, Ncap) the buffers below were made for
+        self._scratch = None  # kernels.score_select scratch
+        self._selected = None  # (Hkv * Ncap,) int32: room for any selection of this capacity
+        self._q_codes = None  # (H, W) uint64
+        self._query_weights = {}  # layer -> numpy views (w1, b1, w2, w_out) of the query encoder
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         h = self.encoders.key_bits(layer, k)  # (Hkv, T, C)
         kernels.pack_into(h.detach().float().numpy(), cache.codes[layer], cache.length)
 
+    def query_codes(self, layer: int, q: torch.Tensor) -> np.ndarray:
+        """Packed query codes (H, W) of q (H, 1, D)."""
+        mlp = self.encoders.query
+        if not (kernels.cpu.HAVE_NUMBA and q.device.type == mlp.w_out.device.type == "cpu"
+                and q.dtype == mlp.w_out.dtype == torch.float32):
+            h = self.encoders.query_bits(layer, q)[:, 0]  # (H, C)
+            return kernels.pack(h.detach().float().numpy())  # (H, W)
+        weights = self._query_weights.get(layer)
+        if weights is None:
+            weights = tuple(p.detach()[layer].numpy() for p in (mlp.w1, mlp.b1, mlp.w2, mlp.w_out))
+            self._query_weights[layer] = weights
+        if self._q_codes is None or self._q_codes.shape[0] != q.shape[0]:
+            self._q_codes = np.empty((q.shape[0], self.code_words), np.uint64)  # (H, W)
+        return kernels.mlp_codes(q[:, 0], *weights, mlp.depth, out=self._q_codes)  # (H, W)
+
     def select(self, layer, q, cache, n, retrieved, sinks, window):
-        h = self.encoders.query_bits(layer, q)[:, 0]  # (H, C)
-        q_codes = kernels.pack(h.detach().float().numpy())  # (H, W)
+        q_codes = self.query_codes(layer, q)  # (H, W)
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
-        scratch = self._scratch.get(k_codes.shape)
-        if scratch is None:
-            self._scratch = {k_codes.shape: kernels.make_scratch(q_codes, k_codes)}
-            scratch = self._scratch[k_codes.shape]
-        return kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, scratch=scratch)  # (Hkv, K)
+        hkv, size = k_codes.shape[0], kernels.selection_layout(n, retrieved, sinks, window).size
+        out = self._selection_buffer(q_codes, k_codes)[: hkv * size].reshape(hkv, size)  # (Hkv, K) view
+        return kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
+
+    def _selection_buffer(self, q_codes, k_codes) -> np.ndarray:
+        """(Hkv * Ncap,) int32 room for any selection, and the scan's scratch, made once per capacity."""
+        if self._capacity != k_codes.shape:
+            self._capacity = k_codes.shape
+            self._scratch = kernels.make_scratch(q_codes, k_codes)
+            self._selected = np.empty(k_codes.shape[0] * k_codes.shape[2], np.int32)  # (Hkv * Ncap,)
+        return self._selected
 
 
 class OracleSelector:

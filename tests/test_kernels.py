@@ -303,6 +303,103 @@ def test_gather_torch_tensors_return_torch():
     assert torch.equal(got, torch.stack([kv[h][torch.from_numpy(idx[h]).long()] for h in range(2)]))
 
 
+# ----------------------------------------------------------------------------- attention
+
+
+def ref_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """float64 softmax attention of q (H, D) over k, v (Hkv, K, D); query head h * G + g reads KV head h."""
+    hkv, _, dim = k.shape
+    logits = q.reshape(hkv, -1, dim).astype(np.float64) @ k.transpose(0, 2, 1) / np.sqrt(dim)  # (Hkv, G, K)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    return ((weights / weights.sum(-1, keepdims=True)) @ v).reshape(q.shape)  # (H, D)
+
+
+def attention_inputs(rng, heads, hkv, dim, capacity, scale=1.0):
+    q = rng.standard_normal((heads, dim)).astype(np.float32)
+    k = (scale * rng.standard_normal((hkv, capacity, dim))).astype(np.float32)
+    return q, k, rng.standard_normal((hkv, capacity, dim)).astype(np.float32)
+
+
+# (H, Hkv, D, capacity, n): odd sizes, n below, at and above one block (128 rows) and the thread split
+ATTENTION_CASES = [(9, 3, 64, 1000, 1), (9, 3, 64, 1000, 777), (4, 4, 24, 300, 300), (8, 2, 128, 2100, 2049),
+                   (3, 1, 13, 70, 5)]
+
+
+@pytest.mark.parametrize("heads,hkv,dim,capacity,n", ATTENTION_CASES)
+def test_attend_and_gather_attend_equal_softmax_attention(backend, heads, hkv, dim, capacity, n):
+    rng = np.random.default_rng(n)
+    q, k, v = attention_inputs(rng, heads, hkv, dim, capacity, scale=4.0)  # sharp softmax: tests the max shift
+    dq, dk, dv = backend.put(q), backend.put(k), backend.put(v)
+    scratch = kernels.make_attend_scratch(dq, dk)
+    got = backend.get(kernels.attend(dq, dk, dv, n, scratch=scratch))
+    np.testing.assert_allclose(got, ref_attend(q, k[:, :n], v[:, :n]), rtol=1e-5, atol=1e-5)
+    idx = np.sort([rng.choice(capacity, min(n, 200), replace=False) for _ in range(hkv)], axis=1).astype(np.int32)
+    out = backend.put(np.zeros((heads, dim), np.float32))
+    assert kernels.gather_attend(dq, dk, dv, backend.put(idx), out=out, scratch=scratch) is out
+    expected = ref_attend(q, np.stack([k[h, idx[h]] for h in range(hkv)]), np.stack([v[h, idx[h]] for h in range(hkv)]))
+    np.testing.assert_allclose(backend.get(out), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_attend_over_all_rows_equals_attend(backend):
+    q, k, v = attention_inputs(np.random.default_rng(3), 6, 2, 64, 600)
+    idx = np.tile(np.arange(517, dtype=np.int32), (2, 1))
+    dense = backend.get(kernels.attend(backend.put(q), backend.put(k), backend.put(v), 517))
+    rows = backend.get(kernels.gather_attend(backend.put(q), backend.put(k), backend.put(v), backend.put(idx)))
+    np.testing.assert_allclose(rows, dense, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("count", [2, 3])
+def test_attend_thread_split_gives_the_same_result(monkeypatch, count):
+    """With several threads each head's rows are split and merged (log-sum-exp): same result."""
+    from kernels import attend_cpu
+
+    q, k, v = attention_inputs(np.random.default_rng(count), 9, 3, 64, 5000, scale=3.0)
+    one = kernels.attend(q, k, v, 4999)
+    monkeypatch.setattr(attend_cpu, "threads", lambda: count)
+    several = kernels.attend(q, k, v, 4999, scratch=kernels.make_attend_scratch(q, k))
+    np.testing.assert_allclose(several, one, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_rejects_bad_rows_and_shapes():
+    q, k, v = attention_inputs(np.random.default_rng(0), 4, 2, 8, 20)
+    with pytest.raises(ValueError, match=r"idx must lie in \[0, 20\)"):
+        kernels.gather_attend(q, k, v, np.array([[0, 20], [1, 2]], np.int32))
+    with pytest.raises(ValueError, match="capacity"):
+        kernels.attend(q, k, v, 21)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.attend(q.astype(np.float64), k, v, 5)
+
+
+def test_mlp_codes_equal_the_packed_signs_of_the_mlp():
+    """Fused query encoder + pack vs numpy float64 math; bits within rounding of 0 are not compared."""
+    rng = np.random.default_rng(9)
+    rows, dim, width, bits, depth = 9, 64, 48, 128, 2
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    w1, b1 = [(0.2 * rng.standard_normal(s)).astype(np.float32) for s in [(rows, 3, dim, width), (rows, 3, 1, width)]]
+    w2, w_out = [(0.2 * rng.standard_normal(s)).astype(np.float32) for s in [(rows, 3, width, dim), (rows, dim, bits)]]
+    y = x.astype(np.float64)
+    for block in range(depth):
+        z = np.einsum("rd,rdf->rf", y, w1[:, block]) + b1[:, block, 0]
+        y = y + np.einsum("rf,rfd->rd", z / (1 + np.exp(-z)), w2[:, block])
+    h = np.einsum("rd,rdc->rc", y, w_out)  # (R, C)
+    got = kernels.mlp_codes(x, w1, b1, w2, w_out, depth)
+    bits_got = np.unpackbits(got.view(np.uint8), axis=1, bitorder="little")[:, :bits].astype(bool)
+    clear = np.abs(h) > 1e-4
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(bits_got[clear], (h > 0)[clear])
+
+
+def test_linear_equals_matmul():
+    from kernels.linear import linear
+
+    rng = np.random.default_rng(1)
+    for rows, cols in [(7, 5), (576, 576), (1, 3)]:
+        w, x, b = [rng.standard_normal(s).astype(np.float32) for s in [(rows, cols), (cols,), (rows,)]]
+        np.testing.assert_allclose(linear(x, w), w.astype(np.float64) @ x, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(linear(x, w, b), w.astype(np.float64) @ x + b, rtol=1e-5, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- dispatch, errors
 
 

@@ -1,0 +1,290 @@
+"""Retrieval quality of Spotlight's trained codes against the baselines, through the decode path.
+
+    python -m bench.quality [--quick] [--json PATH] [--part retrieval,perplexity,needle]
+
+Every method is a selector in the same `SpotlightDecode` path: the same sinks and window, the
+same dense layers and the same budget (kernels.selection_layout: sinks + window + retrieved,
+retrieved = max(k_min, ratio * n), per KV head, one selection shared by its query group).
+
+Part `retrieval`: held-out essays (never trained on) are prefilled densely, then their last
+tokens are decoded one by one; at every step and layer each method's selection is compared
+with the exact top-k (OracleSelector: attention probability summed over the query group) at
+budgets 1, 2, 5 and 10 %: recall@k and IoU over the retrieved tokens, attention-mass recall
+over everything attended, relative error of the attention output. Averages exclude the dense
+layers; the per-layer table includes them (it is how the dense layers are chosen).
+Part `perplexity`: NLL through the decode path (dense prefill of the first part, then one
+token at a time) on other held-out essay text, dense vs each method.
+Part `needle`: "The special magic number for the city of Lisbon is 7481." in essay haystacks
+of 2K-8K tokens at depths 0.1-0.9; the question is decoded one token at a time through the
+method's policy after the dense prefill of the haystack; greedy, 24 new tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from bench.common import ROOT, Target, finish, log, parser
+
+from .quality_methods import build_methods
+from .quality_tasks import essay_ids, needle_grid, perplexity, prefill
+
+BUDGETS = (0.01, 0.02, 0.05, 0.10)
+FULL = {"retrieval_docs": 3, "retrieval_len": 8192, "decode_steps": 24, "simhash_bits": (32, 64, 128, 256, 640),
+        "ppl_docs": 2, "ppl_prefix": 6144, "ppl_tokens": 256, "ppl_budgets": (0.02, 0.05, 0.10),
+        "needle_lengths": (2048, 4096, 6144, 8192), "needle_depths": (0.1, 0.3, 0.5, 0.7, 0.9), "new_tokens": 24}
+QUICK = {"retrieval_docs": 1, "retrieval_len": 2176, "decode_steps": 3, "simhash_bits": (128, 640),
+         "ppl_docs": 1, "ppl_prefix": 2048, "ppl_tokens": 12, "ppl_budgets": (),
+         "needle_lengths": (2048,), "needle_depths": (0.5,), "new_tokens": 20}
+PLOT = ROOT / "docs" / "quality-recall.png"
+
+
+def spotlight_config(args):
+    from spotlight.config import SpotlightConfig
+
+    defaults = SpotlightConfig()
+    dense = defaults.dense_layers if args.dense_layers is None else tuple(
+        int(x) for x in args.dense_layers.split(",") if x.strip())
+    # dense_below=0: measure selection at every length (the default's short-context shortcut would hide it)
+    return replace(defaults, ratio=args.ratio or defaults.ratio, dense_layers=dense, dense_below=0,
+                   k_min=defaults.k_min if args.k_min is None else args.k_min)
+
+
+def load(args):
+    from spotlight.config import EngineConfig, default_home
+    from spotlight.engine import Engine, find_encoders
+    from spotlight.hashing import load_encoders
+
+    engine = Engine.load(EngineConfig(), default_home())
+    if args.encoders:
+        trained = load_encoders(args.encoders, model_fingerprint=engine.fingerprint)
+    else:
+        trained, warnings = find_encoders(engine.args, engine.fingerprint, args.bits, None)
+        if warnings:
+            raise SystemExit(f"no trained checkpoint for this model: {warnings[0]}")
+    return engine, trained
+
+
+# ----------------------------------------------------------------------------- retrieval
+
+
+def retrieval_part(engine, methods, sizes, config):
+    import torch
+
+    from .quality_methods import RetrievalProbe
+
+    ids = essay_ids(engine)
+    length, steps = sizes["retrieval_len"], sizes["decode_steps"]
+    probe = RetrievalProbe(methods, BUDGETS, config.sinks, config.window, length + 8, engine.args)
+    for d in range(sizes["retrieval_docs"]):
+        doc = ids[d * length : (d + 1) * length]
+        started = time.perf_counter()
+        cache = prefill(engine.model, doc[: length - steps], length + 8, policy=probe)
+        with torch.inference_mode():
+            for token in doc[length - steps :]:
+                engine.model(torch.tensor([token]), cache, probe)
+        log(f"retrieval doc {d}: {time.perf_counter() - started:.0f} s")
+    summary = probe.summary()
+    sparse = [l for l in range(engine.args.n_layers) if l not in config.dense_layers]
+    rows = []
+    for name, method in methods.items():
+        for budget in BUDGETS:
+            cells = [summary[(name, budget, l)] for l in sparse]
+            mean = {k: sum(c[k] for c in cells) / len(cells) for k in cells[0]}
+            rows.append({"part": "retrieval (mean over sparse layers)", "method": name, "bits": method.bits,
+                         "budget": f"{budget:.0%}", "recall@k": mean["recall"], "IoU": mean["iou"],
+                         "mass recall": mean["mass"], "output rel. error": mean["error"]})
+    shown = [n for n, m in methods.items() if m.family != "simhash" or m.bits == 640]
+    per_layer = []
+    for l in range(engine.args.n_layers):
+        row = {"part": "retrieval per layer at 2 % (recall@k; oracle: attention-mass recall)", "layer": l}
+        for name in shown:
+            cell = summary[(name, 0.02, l)]
+            row[name] = cell["mass"] if methods[name].family == "oracle" else cell["recall"]
+        per_layer.append(row)
+    return rows, per_layer
+
+
+def plot(rows, methods, path):
+    """Recall@k at 2 % vs code bits per family, and recall@k vs budget per method (128 bits and no codes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    by_family: dict[str, list] = {}
+    for r in rows:
+        method = methods[r["method"]]
+        if r["budget"] == "2%" and method.bits:
+            by_family.setdefault(method.family, []).append((method.bits, r["recall@k"]))
+        elif r["budget"] == "2%":
+            left.axhline(r["recall@k"], ls="--", lw=1, label=r["method"], color=_COLOURS.get(method.family))
+    for family, points in by_family.items():
+        points.sort()
+        left.plot([b for b, _ in points], [v for _, v in points], "o-", label=_FAMILY_LABELS[family],
+                  color=_COLOURS.get(family))
+    left.set_xscale("log", base=2)
+    left.set(xlabel="code bits", ylabel="recall@k at the 2 % budget", title="Recall vs code length", ylim=(0, 1.02))
+    left.legend(fontsize=7)
+    for name, method in methods.items():
+        if method.bits not in (None, 128) and not (method.family == "simhash" and method.bits == 640):
+            continue
+        values = [(float(r["budget"].rstrip("%")), r["recall@k"]) for r in rows if r["method"] == name]
+        right.plot([b for b, _ in values], [v for _, v in values], marker="o", label=name,
+                   ls=":" if method.bits == 640 else "-", color=_COLOURS.get(method.family))
+    right.set_xscale("log")
+    right.set_xticks([1, 2, 5, 10], ["1", "2", "5", "10"])
+    right.set(xlabel="retrieved budget (% of cached tokens)", ylabel="recall@k", title="Recall vs budget", ylim=(0, 1.02))
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_FAMILY_LABELS = {"spotlight": "Spotlight (trained MLP)", "untrained": "Spotlight untrained", "simhash": "SimHash (random)",
+                  "linear": "linear hash (trained)"}
+_COLOURS = {"spotlight": "C0", "untrained": "C1", "simhash": "C2", "linear": "C3", "quest": "C4", "window": "gray",
+            "oracle": "black"}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    p = parser("quality", __doc__.splitlines()[0])
+    p.add_argument("--part", default="retrieval,perplexity,needle", help="comma-separated parts to run")
+    p.add_argument("--encoders", help="trained checkpoint (default: the shipped one for the model)")
+    p.add_argument("--bits", type=int, default=128, help="bits of the shipped checkpoint to use (default 128)")
+    p.add_argument("--ratio", type=float, help="retrieved share for perplexity and needles (default: SpotlightConfig)")
+    p.add_argument("--k-min", type=int, help="retrieved tokens at least (default: SpotlightConfig)")
+    p.add_argument("--dense-layers", help="comma-separated dense layers (default: SpotlightConfig)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; 1 is faster on a busy CPU)")
+    args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else FULL
+    parts = {s.strip() for s in args.part.split(",")}
+    engine, trained = load(args)
+    config = spotlight_config(args)
+    methods = build_methods(engine.args, trained, simhash_bits=sizes["simhash_bits"])
+    spot = next(n for n, m in methods.items() if m.family == "spotlight" and m.bits == trained.spec.bits)
+    rows, targets, extra = [], [], []
+    started = time.perf_counter()
+    if "retrieval" in parts:
+        summary_rows, layer_rows = retrieval_part(engine, methods, sizes, config)
+        rows += summary_rows + layer_rows
+        targets += retrieval_targets(summary_rows, spot)
+        plot(summary_rows, methods, PLOT)
+        extra.append(f"![recall vs bits and vs budget]({PLOT.name})")
+    if "perplexity" in parts:
+        ppl_rows = perplexity_part(engine, costly(methods, spot, args.quick, "perplexity"), sizes, config, spot)
+        rows += ppl_rows
+        targets += perplexity_targets(ppl_rows, spot, config)
+    if "needle" in parts:
+        needle_rows = needle_part(engine, costly(methods, spot, args.quick, "needle"), sizes, config)
+        rows += needle_rows + needle_summary(needle_rows)
+        targets += needle_targets(needle_rows, spot)
+    notes = notes_for(engine, trained, config, sizes, time.perf_counter() - started)
+    finish("quality", args, rows, targets, title="Retrieval quality (Spotlight vs baselines)", notes=notes,
+           extra="\n\n".join(extra))
+
+
+def costly(methods, spot, quick: bool, part: str) -> dict:
+    """The methods of the slow parts (every token through the model): dense first, then the main rivals."""
+    chosen = {"dense": None}
+    for name, m in methods.items():
+        if quick:
+            keep = name == spot or m.family == "quest"
+        else:
+            keep = (m.bits in (None, 128) or (m.family == "simhash" and m.bits == 640)) and m.family != "oracle"
+            keep = keep or (part == "perplexity" and m.family == "oracle")
+            keep = keep and not (part == "needle" and m.family == "untrained")
+        if keep:
+            chosen[name] = m
+    return chosen
+
+
+def perplexity_part(engine, methods, sizes, config, spot):
+    """Every method at the configured budget; Spotlight and the oracle also at the other budgets."""
+    import math
+
+    ids = essay_ids(engine)
+    need = sizes["ppl_prefix"] + sizes["ppl_tokens"] + 1
+    skip = sizes["retrieval_docs"] * sizes["retrieval_len"]  # text the retrieval part did not use
+    docs = [ids[skip + i * need : skip + (i + 1) * need] for i in range(sizes["ppl_docs"])]
+    runs = {(name, config.ratio): (method, config) for name, method in methods.items()}
+    for budget in sizes["ppl_budgets"]:
+        for name, method in methods.items():
+            if (name == spot or (method and method.family == "oracle")) and budget != config.ratio:
+                runs[(name, budget)] = (method, replace(config, ratio=budget))
+    nll = perplexity(engine.model, docs, sizes["ppl_prefix"], runs)
+    dense = nll[("dense", config.ratio)]
+    return [{"part": "perplexity through the decode path", "method": name,
+             "budget": "—" if name == "dense" else f"{budget:.0%}", "NLL": value, "PPL": math.exp(value),
+             "PPL / dense": math.exp(value - dense)} for (name, budget), value in nll.items()]
+
+
+def needle_part(engine, methods, sizes, config):
+    grid = needle_grid(engine, sizes["needle_lengths"], sizes["needle_depths"], methods, config, sizes["new_tokens"], log)
+    return [{"part": "needle in a haystack (found: the answer holds 7481)", **r} for r in grid]
+
+
+def needle_summary(rows) -> list[dict]:
+    out = []
+    for name in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == name]
+        dense = {(r["length"], r["depth"]): r["found"] for r in rows if r["method"] == "dense"}
+        out.append({"part": "needles found", "method": name, "found": sum(r["found"] for r in mine),
+                    "of": len(mine), "missed where dense found": sum(
+                        1 for r in mine if dense[(r["length"], r["depth"])] and not r["found"])})
+    return out
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def retrieval_targets(rows, spot):
+    def cell(method, key, budget="2%"):
+        return next(r[key] for r in rows if r["method"] == method and r["budget"] == budget)
+
+    targets = [Target(f"{spot}: recall@k at the 2 % budget", cell(spot, "recall@k"), 0.75),
+               Target(f"{spot}: attention-mass recall at the 2 % budget", cell(spot, "mass recall"), 0.90)]
+    simhash = "SimHash-640"
+    if any(r["method"] == simhash for r in rows):
+        targets.append(Target(f"{spot} recall@k / {simhash} recall@k at 2 %",
+                              cell(spot, "recall@k") / max(cell(simhash, "recall@k"), 1e-9), 1.0))
+    return targets
+
+
+def perplexity_targets(rows, spot, config):
+    ratio = next(r["PPL / dense"] for r in rows if r["method"] == spot and r["budget"] == f"{config.ratio:.0%}")
+    return [Target(f"{spot}: perplexity through the decode path / dense", ratio, 1.01, higher_is_better=False)]
+
+
+def needle_targets(rows, spot):
+    found = {(r["length"], r["depth"], r["method"]): r["found"] for r in rows}
+    probes = {(r["length"], r["depth"]) for r in rows}
+    missed = sum(1 for probe in probes if found[(*probe, "dense")] and not found[(*probe, spot)])
+    return [Target(f"needles dense attention finds that {spot} misses", missed, 0, higher_is_better=False)]
+
+
+def notes_for(engine, trained, config, sizes, seconds) -> str:
+    p = trained.provenance
+    return (
+        f"Model {engine.source.origin} (fingerprint {engine.fingerprint}); trained encoders "
+        f"{trained.spec.bits} bits, depth {trained.spec.depth}, width {trained.spec.width}, checkpoint "
+        f"{trained.fingerprint} ({p.get('steps', '?')} steps on {p.get('tokens', '?')} tokens of {p.get('corpus', '?')}). "
+        f"Budget accounting for every method: {config.sinks} sinks + {config.window}-token window + retrieved; dense "
+        f"layers {list(config.dense_layers)}. Retrieval: {sizes['retrieval_docs']} held-out essay windows of "
+        f"{sizes['retrieval_len']} tokens, the last {sizes['decode_steps']} decoded one at a time; retrieved = "
+        f"int(budget * n). Perplexity and needles at ratio {config.ratio:.0%} (k_min {config.k_min}), "
+        f"dense_below 0 (sparse at every length). Untrained and SimHash encoders use hyperplanes shared by a query "
+        f"head and its KV head (spotlight.train.tie_hyperplanes). Run time {seconds / 60:.1f} min."
+    )
+
+
+if __name__ == "__main__":
+    main()
