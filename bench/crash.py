@@ -69,6 +69,9 @@ def _service(home: Path, max_new_tokens: int = 24):
 
 def child(home: Path, seed: int) -> None:
     """The process that gets killed: ingest and chat forever, reporting each commit."""
+    import torch
+
+    torch.set_num_threads(1)  # a tiny model; one thread avoids OpenMP stalls when cores are shared
     rng = random.Random(seed)
     service = _service(home, max_new_tokens=rng.randint(8, 48))
     service.list_sessions()  # opens the store (recovers leftovers of the previous kill)

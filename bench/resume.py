@@ -1,6 +1,6 @@
 """Resume speed: time to first token of a conversation restored from disk vs recomputed.
 
-    python -m bench.resume [--quick] [--spotlight] [--json PATH]
+    python -m bench.resume [--quick] [--spotlight] [--threads N] [--json PATH]
 
 Every resume runs in a **fresh process** (a restart: model loaded, nothing else in RAM,
 a new Store on the data directory), timed from the call to the first streamed token.
@@ -45,11 +45,12 @@ QUESTIONS = ("And the second one?", "Which essay is the longest?", "Name one ide
 RUNS = len(QUESTIONS)  # resumes per row; the median is the row's value (the minimum is shown too)
 
 
-def load_engine(spotlight: bool):
+def load_engine(spotlight: bool, threads: int | None = None):
     from spotlight.config import EngineConfig, SpotlightConfig, default_home
     from spotlight.engine import Engine
 
-    return Engine.load(EngineConfig(), default_home(), spotlight=SpotlightConfig() if spotlight else None)
+    config = EngineConfig(threads=threads)
+    return Engine.load(config, default_home(), spotlight=SpotlightConfig() if spotlight else None)
 
 
 def in_subprocess(fn, *args):
@@ -90,11 +91,11 @@ def write_conversation(engine, home: Path) -> str:
     return session.id
 
 
-def resume_conversation(home: str, session_id: str, spotlight: bool) -> dict:
+def resume_conversation(home: str, session_id: str, spotlight: bool, threads: int | None) -> dict:
     """In a fresh process: one new service per question; TTFT of each, and the last prompt."""
     from chat.render import Renderer
 
-    engine = load_engine(spotlight)
+    engine = load_engine(spotlight, threads)
     service(engine, Path(home)).warm_up()  # as ChatService does after loading its engine
     times, turn, prompt = [], None, []
     for question in QUESTIONS:
@@ -108,10 +109,10 @@ def resume_conversation(home: str, session_id: str, spotlight: bool) -> dict:
     return {"times": times, "prompt": prompt, "restored": turn.restored_tokens, "computed": turn.prefill_tokens}
 
 
-def real_row(engine, home: Path, spotlight: bool) -> dict:
+def real_row(engine, home: Path, spotlight: bool, threads: int | None) -> dict:
     log("8K: computing and storing the conversation ...")
     session_id = write_conversation(engine, home)
-    resumed = in_subprocess(resume_conversation, str(home), session_id, spotlight)
+    resumed = in_subprocess(resume_conversation, str(home), session_id, spotlight, threads)
     log(f"8K: resume TTFT {resumed['times']} s")
     prompt = resumed["prompt"]
     recompute_s, _ = first_turn_seconds(engine.stream(engine.new_context(len(prompt) + 8), prompt, _greedy(4)))
@@ -155,13 +156,13 @@ def write_synthetic(engine, root: Path) -> str:
     return session.id
 
 
-def resume_synthetic(root: str, session_id: str, spotlight: bool) -> dict:
+def resume_synthetic(root: str, session_id: str, spotlight: bool, threads: int | None) -> dict:
     """In a fresh process: restore the 32K spans with a new Store + one decode step, RUNS times."""
     from chat.kv import CacheKey, SpanCache
     from memory import Store
     from spotlight.config import StoreConfig
 
-    engine = load_engine(spotlight)
+    engine = load_engine(spotlight, threads)
     service(engine, Path(root)).warm_up()  # as ChatService does after loading its engine
     ids = synthetic_ids(engine)
     key = CacheKey.for_engine(engine, ids)
@@ -178,10 +179,11 @@ def resume_synthetic(root: str, session_id: str, spotlight: bool) -> dict:
     return {"runs": runs}
 
 
-def synthetic_row(engine, home: Path, recompute_8k: tuple[int, float], measure: bool, spotlight: bool) -> dict:
+def synthetic_row(engine, home: Path, recompute_8k: tuple[int, float], measure: bool, spotlight: bool,
+                  threads: int | None) -> dict:
     session_id = write_synthetic(engine, home / "synthetic")
     log("32K: synthetic spans stored; resuming in a new process ...")
-    runs = in_subprocess(resume_synthetic, str(home / "synthetic"), session_id, spotlight)["runs"]
+    runs = in_subprocess(resume_synthetic, str(home / "synthetic"), session_id, spotlight, threads)["runs"]
     resume_s, restore_s = sorted(runs)[len(runs) // 2]  # the median run
     n_8k, seconds_8k = recompute_8k
     if measure:
@@ -234,13 +236,16 @@ def main(argv=None) -> int:
     p = parser("resume", "time to first token: resuming a stored conversation vs recomputing it")
     p.add_argument("--spotlight", action="store_true",
                    help="Spotlight decode, with key codes in the spans (default: dense, as the app)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for every measurement (default: torch's). 1 avoids OpenMP stalls "
+                        "when other jobs share the cores")
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
-    engine = load_engine(args.spotlight)
+    engine = load_engine(args.spotlight, args.threads)
     with tempfile.TemporaryDirectory(prefix="spotlight-resume-") as tmp:
-        real = real_row(engine, Path(tmp), args.spotlight)
+        real = real_row(engine, Path(tmp), args.spotlight, args.threads)
         synthetic = synthetic_row(engine, Path(tmp), (real["context"], real["recompute_ttft_s"]),
-                                  measure=not args.quick, spotlight=args.spotlight)
+                                  measure=not args.quick, spotlight=args.spotlight, threads=args.threads)
     rows = [real, synthetic]
     estimated = " (estimated recompute)" if args.quick else ""
     targets = [
@@ -251,7 +256,8 @@ def main(argv=None) -> int:
     policy = ("Spotlight (untrained encoders unless a checkpoint ships; spans carry key codes)" if args.spotlight
               else "dense (as the app; spans carry no key codes)")
     notes = (
-        f"SmolLM2-135M fp32 on CPU, {policy} decode. TTFT = time to the first streamed token (the "
+        f"SmolLM2-135M fp32 on CPU, {policy} decode, {args.threads or torch.get_num_threads()} torch "
+        "thread(s) for every measurement. TTFT = time to the first streamed token (the "
         "engine yields it after feeding it, so both columns include one decode forward). Each resume "
         f"runs in a fresh process (a restart: model loaded and warmed up once, as ChatService does "
         f"after loading it); resume_ttft_s is the median of {RUNS} runs (restore_s and first_step_s "
@@ -260,8 +266,9 @@ def main(argv=None) -> int:
         "by new ones; recompute = the same prompt prefilled on a fresh context, measured in this run. "
         "32K row: beyond the model's 8K window, so its 16 spans hold random ids/K/V of the real "
         "shapes; resume = restore (same code path as send) + one decode step. "
-        + ("Its recompute is **estimated** from the 8K recompute measured above, scaled quadratically "
-           "(x16.7; linear scaling would give x4, i.e. a 4x smaller speedup)." if args.quick
+        + (f"Its recompute is **estimated** from the 8K recompute measured above, scaled quadratically "
+           f"(x{(LONG / real['context']) ** 2:.1f}; linear scaling would give x{LONG / real['context']:.1f}, "
+           "i.e. a 4x smaller speedup)." if args.quick
            else "Its recompute was measured (32K random tokens prefilled in 512-token chunks + one step).")
         + f" Load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
         f"{os.cpu_count()} cores: other jobs share this machine, and short timings (resume) suffer "

@@ -25,8 +25,10 @@ for the messages it rewrote, and their tokens go to the next message that is sta
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+_MEMO_SIZE = 8  # renderings kept: a turn needs ~4 distinct ones
 DOCUMENT_FORMAT = '<document name="{name}">\n{text}\n</document>'
 
 
@@ -55,18 +57,25 @@ class Conversation:
 
 
 class Renderer:
-    """Renders conversations with one engine's chat template (`engine.chat_ids`)."""
+    """Renders conversations with one engine's chat template (`engine.chat_ids`).
 
-    def __init__(self, engine):
+    The last few renderings are memoised (a turn renders the same conversation several
+    times, and the system message with its documents every turn); callers get copies."""
+
+    def __init__(self, engine, memo_size: int = _MEMO_SIZE):
         self.engine = engine
+        self._render = functools.lru_cache(maxsize=memo_size)(self._render_uncached)
 
     def ids(self, conversation: Conversation, *, generation_prompt: bool, upto: int | None = None) -> list[int]:
         """Token ids of the conversation (its first `upto` messages), optionally followed by
         the assistant generation prompt."""
+        return list(self._render(conversation, generation_prompt, upto))
+
+    def _render_uncached(self, conversation: Conversation, generation_prompt: bool, upto: int | None) -> tuple:
         messages = conversation.template_messages(upto)
         if not messages:
-            return []
-        return self.engine.chat_ids(messages, add_generation_prompt=generation_prompt)
+            return ()
+        return tuple(self.engine.chat_ids(messages, add_generation_prompt=generation_prompt))
 
     def prompt(self, conversation: Conversation) -> list[int]:
         """What the engine is asked to continue: the conversation + the generation prompt."""
@@ -81,7 +90,7 @@ class Renderer:
         template that does not render it as a stable prefix)."""
         if not conversation.system:
             return 0
-        prefix = self.engine.chat_ids(conversation.template_messages(0), add_generation_prompt=False)
+        prefix = self.ids(Conversation(conversation.system, ()), generation_prompt=False)
         return len(prefix) if full[: len(prefix)] == prefix else 0
 
     def message_end(self, conversation: Conversation, index: int, full: list[int], floor: int) -> int:

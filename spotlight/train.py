@@ -81,6 +81,8 @@ class TrainConfig:
     hard_others: int = 8  # Ph
     gamma: float = 64.0
     gamma_start: float | None = None  # anneal gamma geometrically from this to `gamma` (None: constant)
+    beta: float = 1.0  # loss scale: -log sigmoid(beta * (S_top - S_other)), S in (soft) matching bits
+    straight_through: bool = False  # forward the sign codes, backward through softsign (v2-branch style)
     init_scale: float = 1.0  # output projections start scaled by this (codes unchanged, softsign less saturated)
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.98)
@@ -297,9 +299,11 @@ def tie_hyperplanes(encoders: Encoders) -> Encoders:
     return encoders
 
 
-def soft_code(h: torch.Tensor, gamma: float) -> torch.Tensor:
-    """softsign(gamma * h): the differentiable stand-in for sign(h)."""
-    return F.softsign(gamma * h)
+def soft_code(h: torch.Tensor, gamma: float, straight_through: bool = False) -> torch.Tensor:
+    """softsign(gamma * h): the differentiable stand-in for sign(h); with `straight_through`
+    the forward value is sign(h) itself and only the gradient is softsign's."""
+    soft = F.softsign(gamma * h)
+    return soft + (torch.sign(h) - soft).detach() if straight_through else soft
 
 
 # ----------------------------------------------------------------------------- one step
@@ -374,7 +378,8 @@ def gather_keys(k: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return k.gather(2, flat).float().view(*index.shape, D)
 
 
-def batch_loss(query_mlp, key_mlp, data: QKData, batch: Batch, gamma: float, device):
+def batch_loss(query_mlp, key_mlp, data: QKData, batch: Batch, gamma: float, device, beta: float = 1.0,
+               straight_through: bool = False):
     """Bradley–Terry loss (L,) and misordered-pair rate (L,) of one batch."""
     q = data.q[batch.seq][:, :, batch.query].float().to(device)  # (L, H, Q, D)
     k = data.k[batch.seq]  # (L, Hkv, T, D) fp16
@@ -385,8 +390,8 @@ def batch_loss(query_mlp, key_mlp, data: QKData, batch: Batch, gamma: float, dev
                   dim=2).to(device)  # (L, Hkv, Q*(P + Ph) + R, D)
     if batch.shift:
         q, x = rope_shift(q, batch.shift, data.inv_freq), rope_shift(x, batch.shift, data.inv_freq)
-    sk = soft_code(key_mlp(x), gamma)  # (L, Hkv, X, C)
-    sq = soft_code(query_mlp(q), gamma)  # (L, H, Q, C)
+    sk = soft_code(key_mlp(x), gamma, straight_through)  # (L, Hkv, X, C)
+    sq = soft_code(query_mlp(q), gamma, straight_through)  # (L, H, Q, C)
     C = sq.shape[-1]
     sq = sq.view(L, Hkv, H // Hkv, Q, C).sum(2)  # (L, Hkv, Q, C): the group's summed soft codes
     own = sk[:, :, : Q * (P + Ph)].view(L, Hkv, Q, P + Ph, C)  # each query's own top and hard keys
@@ -398,7 +403,7 @@ def batch_loss(query_mlp, key_mlp, data: QKData, batch: Batch, gamma: float, dev
     z = s_top.unsqueeze(-1) - s_other.unsqueeze(-2)  # (L, Hkv, Q, P, Ph + R)
     weight = valid.unsqueeze(-2).expand_as(z).float()
     count = weight.sum((1, 2, 3, 4)).clamp(min=1)  # (L,)
-    loss = (F.softplus(-z) * weight).sum((1, 2, 3, 4)) / count  # (L,)
+    loss = (F.softplus(-beta * z) * weight).sum((1, 2, 3, 4)) / count  # (L,) = BCE-with-logits(beta z, 1)
     misordered = ((z < 0).float() * weight).sum((1, 2, 3, 4)) / count  # (L,)
     return loss, misordered.detach()
 
@@ -439,7 +444,9 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns per-layer loss and misordered rate (L,)."""
         batch = sample_batch(self.data, self.config, self.generator)
-        loss, misordered = batch_loss(self.query, self.key, self.data, batch, self.gamma(), self.device)
+        c = self.config
+        loss, misordered = batch_loss(self.query, self.key, self.data, batch, self.gamma(), self.device,
+                                      c.beta, c.straight_through)
         self.optimizer.zero_grad(set_to_none=True)
         loss.sum().backward()
         self._clip_per_layer()
@@ -721,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--depth", type=int, default=d.depth, help="residual MLP blocks (default %(default)s)")
     a.add_argument("--width", type=int, default=d.width, help="hidden width of each block (default %(default)s)")
     a.add_argument("--linear", action="store_true", help="depth 0: the learned linear-hash baseline, same loss")
+    a.add_argument("--init", choices=("identity", "random"), default=d.init,
+                   help="initial output projection: sign of the first D coordinates plus random hyperplanes, or "
+                        "random hyperplanes only (default %(default)s)")
     t = p.add_argument_group("data and targets")
     t.add_argument("--corpus", default=d.corpus,
                    help="comma-separated: shakespeare, kjv, text files, directories (default %(default)s)")
@@ -744,6 +754,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--group", type=int, default=d.group,
                    help="layers trained together; groups run one after another (default %(default)s; 0 = all)")
     o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
+    o.add_argument("--beta", type=float, default=d.beta,
+                   help="loss scale: -log sigmoid(beta * score difference in matching bits) (default %(default)s)")
+    o.add_argument("--straight-through", action="store_true",
+                   help="score with the sign codes themselves, gradients through softsign (default: soft codes)")
     o.add_argument("--gamma-start", type=float, default=None,
                    help="anneal the softsign sharpness from this value to 64 over the run (default: 64 throughout)")
     o.add_argument("--init-scale", type=float, default=d.init_scale,
@@ -815,7 +829,8 @@ def _main(args, argv: list[str]) -> int:
         bits=args.bits, depth=0 if args.linear else args.depth, width=args.width, top_fraction=args.top_fraction,
         sinks=args.sinks, window=args.window, seq_len=args.seq_len, sequences=args.sequences, steps=args.steps,
         queries=args.queries, tops=args.tops, others=args.others, hard_others=args.hard_others, seed=args.seed,
-        init_scale=args.init_scale, gamma_start=args.gamma_start, group=args.group,
+        init=args.init, init_scale=args.init_scale, gamma_start=args.gamma_start, group=args.group,
+        beta=args.beta, straight_through=args.straight_through,
         max_position=margs.max_seq_len if args.max_position is None else args.max_position,
         lr=args.lr, layers=parse_layers(args.layers, margs.n_layers), corpus=args.corpus,
     )
