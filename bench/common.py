@@ -126,8 +126,11 @@ def finish(
     notes: str = "",
     columns: list[str] | None = None,
     extra: str = "",
+    command: str | None = None,
 ) -> dict:
-    """Print the table, write JSON and the RESULTS.md section; return the JSON document."""
+    """Print the table, write JSON and the RESULTS.md section; return the JSON document.
+
+    `name` keys the RESULTS.md section; `command` (default: `name`) is what the section says ran."""
     doc = {
         "bench": name,
         "quick": bool(args.quick),
@@ -143,7 +146,7 @@ def finish(
     if not args.no_results:
         stamp = time.strftime("%Y-%m-%d %H:%M")
         section = (
-            f"## {title}\n\n`python -m bench.{name}{' --quick' if args.quick else ''}` "
+            f"## {title}\n\n`python -m bench.{command or name}{' --quick' if args.quick else ''}` "
             f"— {stamp}, {machine()}\n\n{notes.strip()}\n\n{body}\n"
         )
         if targets:

@@ -14,9 +14,12 @@ a speed measurement only. llama.cpp on the same GGUF joins when `make bench-deps
 """
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as futures
+import json
 import multiprocessing
 import time
+from pathlib import Path
 
 from bench.common import Target, finish, log, parser, peak_rss_mb
 
@@ -129,20 +132,22 @@ def main(argv=None):
     p = parser("decode", __doc__.splitlines()[0])
     p.add_argument("--part", choices=["all", "engine", "spotlight"], default="all", help="which comparison to run")
     args = p.parse_args(argv)
-    rows, targets, notes = [], [], []
+    # Each part keeps its own RESULTS.md section, so running one part never erases the other's.
+    part_args = argparse.Namespace(**{**vars(args), "json": None})
+    docs = []
     if args.part in ("all", "engine"):
-        r, t, n = engine_part(QUICK if args.quick else FULL)
-        rows += [{"part": "engine", **row} for row in r]
-        targets += t
-        notes.append(n)
+        rows, targets, notes = engine_part(QUICK if args.quick else FULL)
+        docs.append(finish("decode-engine", part_args, rows, targets, command="decode --part engine",
+                           title="Decode speed: our engine vs transformers", notes=notes))
     if args.part in ("all", "spotlight"):
         from bench.spotlight_speed import spotlight_part
 
-        r, t, n = spotlight_part(args.quick)
-        rows += [{"part": "spotlight", **row} for row in r]
-        targets += t
-        notes.append(n)
-    finish("decode", args, rows, targets, title="Decode speed", notes="\n\n".join(notes))
+        rows, targets, notes = spotlight_part(args.quick)
+        docs.append(finish("decode-spotlight", part_args, rows, targets, command="decode --part spotlight",
+                           title="Decode speed: Spotlight vs dense at long context", notes=notes))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bench": "decode", "quick": bool(args.quick), "parts": docs},
+                                              indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import linear as cpu_linear
+from kernels.cpu import HAVE_NUMBA
+
 from .config import ModelArgs, RopeScaling
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose one-row fp32 CPU inference (a decode step, the last prefill position)
+    runs kernels.linear's matrix-vector loop instead of torch's GEMV.
+
+    Why: decode reads every weight once per token, so it is bound by weight bandwidth; on this
+    CPU class torch's (1, E) @ (E, F) path streams ~11 GB/s and the numba loop ~25 GB/s
+    (bench/spotlight_speed.py). Results equal F.linear's up to float summation order.
+    Anything else (T > 1, autograd, other dtypes or devices) is F.linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.float32 and HAVE_NUMBA
+                and self.weight.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()):
+            out = torch.empty(1, self.out_features)  # (1, F)
+            cpu_linear.linear(x[0], self.weight, self.bias, out=out[0])
+            return out
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -80,8 +102,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.wqkv = Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Post-RoPE q (H, T, D), k (Hkv, T, D) and v (Hkv, T, D) of the new tokens x (T, E)."""
@@ -134,8 +156,8 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.width = args.intermediate_size
-        self.w_gate_up = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.w_down = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.w_down = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.width, dim=-1)  # (T, F) x2
@@ -164,7 +186,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.inv_freq = rope_inv_freq(args)  # (D/2,) fp32; a plain attribute so .to(dtype) keeps it fp32
