@@ -113,3 +113,23 @@ def test_rope_llama3_scaling_changes_only_long_wavelengths():
     a, b = rope_inv_freq(base), rope_inv_freq(scaled)
     assert a[0] == b[0]  # the highest frequency is untouched
     assert b[-1] == pytest.approx(a[-1] / 8.0)  # the lowest frequency is divided by the factor
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_linear_equals_torch_and_keeps_autograd_path(bias):
+    from spotlight.model import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(37, 23, bias=bias)  # odd sizes: the kernel's 4-row blocks leave a remainder
+    x = torch.randn(1, 37)
+    with torch.inference_mode():
+        fast = layer(x)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert fast.shape == (1, 23)
+    torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-5)
+    rows = torch.randn(3, 37)  # prefill chunks: torch's path, bit-identical
+    with torch.inference_mode():
+        assert torch.equal(layer(rows), torch.nn.functional.linear(rows, layer.weight, layer.bias))
+    trained = layer(x)  # grad enabled: F.linear, so gradients flow
+    trained.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (23, 37)
