@@ -64,7 +64,7 @@ class TrainConfig:
 
     bits: int = 128
     depth: int = 1
-    width: int = 32
+    width: int = 64
     init: str = "identity"
     top_fraction: float = 0.02
     sinks: int = 4  # forced tokens of the decode path, excluded from the ranking targets
@@ -76,12 +76,15 @@ class TrainConfig:
     min_query: int = 512  # first recorded query position (shorter prefixes have few keys to rank)
     steps: int = 1200  # per layer group
     queries: int = 128  # Q
-    tops: int = 4  # P
-    others: int = 256  # R
+    tops: int = 8  # P
+    others: int = 400  # R
     hard_others: int = 8  # Ph
     gamma: float = 64.0
     gamma_start: float | None = None  # anneal gamma geometrically from this to `gamma` (None: constant)
-    beta: float = 1.0  # loss scale: -log sigmoid(beta * (S_top - S_other)), S in (soft) matching bits
+    # loss scale: -log sigmoid(beta * (S_top - S_other)), S in (soft) matching bits summed over the
+    # group. The paper's 1.0 saturates once a pair is ordered by a few bits; 0.05 asks for ~20x wider
+    # margins and gave +6 points of recall@2% (sweep in docs/DECISIONS.md)
+    beta: float = 0.05
     straight_through: bool = False  # forward the sign codes, backward through softsign (v2-branch style)
     init_scale: float = 1.0  # output projections start scaled by this (codes unchanged, softsign less saturated)
     lr: float = 1e-3

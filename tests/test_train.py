@@ -11,7 +11,8 @@ from spotlight.train import (LayerMLP, LayerwiseTraining, TrainConfig, check_mem
 
 # A tiny random model: 2 layers, 4 query / 2 KV heads, head dim 16, 512 positions.
 TINY = dict(seq_len=256, sequences=4, min_query=96, sinks=4, window=16, stride=2, top_fraction=0.05,
-            queries=32, tops=8, others=64, hard_others=0, bits=32, width=32, lr=1e-2)
+            queries=32, tops=8, others=64, hard_others=0, bits=32, width=32, lr=1e-2,
+            beta=1.0)  # 32-bit codes: the paper's scale shows progress within the few steps a test runs
 
 
 @pytest.fixture(scope="module", autouse=True)
