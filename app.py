@@ -267,11 +267,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
         config, notes = ui.apply_settings(service.config, ui.SettingsForm(*values))
         if config == service.config:
             return "Nothing changed."
-        same_model = config.engine == service.config.engine
-        fresh = ChatService(config, _engine=service.engine if same_model else None, store_config=service.store_config)
-        fresh.engine  # load a new model now: if it fails, the old one stays in use (ModelUnavailable)
-        service.close()
-        service = fresh
+        service = service.reconfigured(config)  # a model that fails to load keeps the old one (ModelUnavailable)
         return "\n\n".join(["Settings applied."] + notes)
 
     def history_api(session_id: str) -> list[dict]:
@@ -336,8 +332,9 @@ def build_ui(service: ChatService) -> gr.Blocks:
                 gr.Slider(0.005, 0.5, form.spotlight_ratio, step=0.005, label="Spotlight budget (share retrieved)"),
             ]
             apply_btn = gr.Button("Apply settings", variant="primary", elem_id="apply-btn")
-            settings_note = gr.Markdown("Changing the model, the system prompt or Spotlight means a new cache: "
-                                        "the note after applying says what is recomputed.", elem_id="settings-note")
+            settings_note = gr.Markdown("Changing the model, the system prompt or turning Spotlight on or off means a "
+                                        "new cache: the note after applying says what is recomputed.",
+                                        elem_id="settings-note")
 
         VIEW = [session, sessions, title, chatbot, chips, gauge, stats]
         STREAM = VIEW + [msg]

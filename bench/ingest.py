@@ -6,13 +6,16 @@ The document is one Shakespeare play from the `shksprdata` package (the file is 
 the package is not imported), cut to 30K tokens (--quick: a ~4K-token slice).
 
 What "ingest" is here, exactly: SmolLM2-135M's window is 8K tokens, so a 30K document
-cannot be one attention context. It is ingested the way the app would store it as spans:
-the segmenter cuts it into semantic segments (max 512 tokens), consecutive segments are
-packed into spans of at most SPAN_TOKENS (2048) tokens, and each span is prefilled on its
-own fresh context (positions 0..len, chunked prefill of `prefill_chunk` tokens, the
-engine's default policy). The time covers tokenising, segmenting and prefilling.
-Attention inside a span is quadratic in the span length, so the total is linear in the
-document length for a fixed span size.
+cannot be one attention context (the app refuses to chat over more than the model's window
+and summarises such a document map-reduce over its segments). It is read the way that
+map-reduce pass reads it: the segmenter cuts it into semantic segments (max 512 tokens),
+consecutive segments are packed into parts of at most SPAN_TOKENS (2048) tokens, and each
+part is prefilled on its own fresh context (positions 0..len, chunked prefill of
+`prefill_chunk` tokens, the engine's default policy). In a conversation that fits the window,
+the app prefills the same segments one after another in one context and stores each segment
+as its own span (chat/kv.py). The time covers tokenising, segmenting and prefilling.
+Attention inside a part is quadratic in the part length, so the total is linear in the
+document length for a fixed part size.
 
 Quadratic share: prefill on fresh contexts is timed at several lengths and fitted with
 t(n) = a + b*n + c*n^2 (least squares); the share of c*n^2 at the span length (and,

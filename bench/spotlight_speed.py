@@ -162,7 +162,7 @@ def spotlight_part(quick: bool):
         f"Floor bytes: weights ({weights / 1e6:.0f} MB per token) + KV rows (dense) or, for Spotlight, codes + "
         f"selected rows + query encoder per sparse layer, full KV in dense layers, key encoder in every layer. "
         f"Decode with {DECODE_THREADS} torch thread(s) and 1 numba thread (why: bench/spotlight_speed.py). "
-        f"Attention on CPU runs kernels.attend / kernels.gather_attend; the weights' GEMVs are torch's (MKL). "
+        f"Attention on CPU runs kernels.attend / kernels.gather_attend; one-row weight GEMVs run kernels.linear (numba). "
         f"Load average at the end of the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (the machine is "
         f"shared: wall times include other processes' share; `cpu ms/token` is the decode thread's own time). "
         f"Caches of random "

@@ -9,16 +9,24 @@ A file that cannot be read (unsupported, broken, empty, too large for the contex
 reported and skipped; the others are still attached. Reading into the cache can be
 stopped with `service.stop(session_id)`: what was computed is kept, the rest is computed
 with the next message.
+
+Segments (DESIGN.md §6). Attached documents are rendered, in order, into the conversation's
+prefix (chat/render.py) and prefilled in order. `segment_ends` finds where each document's
+semantic segments (segmenter, at most `SEGMENT_TOKENS` tokens) end in the rendered prefix
+ids; chat/kv.py cuts the prefix there, so each segment is stored as its own span (its
+K/V, its code table and the summary of its codes) and becomes one segment of the KV
+cache's segment table, the unit two-level retrieval picks first.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from segmenter import DocumentError, read_document
+from segmenter import DEFAULT_MAX_TOKENS, Document, DocumentError, read_document, segment
 
 from .errors import ChatError
 from .records import DocumentInfo, ResumeReport, SessionId
@@ -27,6 +35,7 @@ Progress = Callable[[float, str], None]  # (fraction done in [0, 1], what is hap
 READ_SHARE = 0.3  # of the progress bar: parsing and tokenising; the rest is prefill
 PREFILL_TOKENS_PER_SECOND = 250.0  # first ETA guess: SmolLM2 fp32 on 2 CPU threads (218-342 tok/s)
 POLL_SECONDS = 0.25
+SEGMENT_TOKENS = DEFAULT_MAX_TOKENS  # tokens per retrieval segment at most (= per document span)
 
 
 @dataclass(slots=True)
@@ -87,3 +96,55 @@ def _resume_with_progress(service, session_id: SessionId, documents: list[Docume
     if "error" in outcome:
         raise outcome["error"]
     return outcome["report"]
+
+
+# ----------------------------------------------------------------------------- segments
+
+
+def segment_ends(engine, texts: Sequence[str], prefix_ids: Sequence[int]) -> list[int]:
+    """Positions in `prefix_ids` (the rendered prefix) where a segment of one of the documents
+    `texts` ends, ascending. Each document is found by its token ids, searched in order after
+    the previous one; its first and last token may differ in the rendering (a tokenizer can
+    merge across the document's edges), so only the others must match. A document that is
+    not found contributes nothing (its tokens then go with their neighbours' spans)."""
+    ends: list[int] = []
+    prefix_ids, position = list(prefix_ids), 0
+    for text in texts:
+        ids, tokens_before = _tokens(engine, text)
+        at = _find(ids[1:-1], prefix_ids, position + 1)
+        if at is None:
+            continue
+        base = at - 1  # where the document's first token is
+        for piece in segment(Document("document", "txt", text), lambda s: len(engine.encode(s)),
+                             max_tokens=SEGMENT_TOKENS):
+            end = base + tokens_before(piece.char_end)
+            if end > (ends[-1] if ends else base):
+                ends.append(end)
+        position = base + len(ids)
+    return ends
+
+
+def _tokens(engine, text: str):
+    """(token ids of `text`, char position -> how many of those tokens start before it)."""
+    tokenizer = engine.tokenizer
+    if getattr(tokenizer, "is_fast", False):  # Hugging Face fast tokenizers give offsets in one pass
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = [start for start, _ in encoded["offset_mapping"]]
+        return list(encoded["input_ids"]), lambda char: bisect.bisect_left(starts, char)
+    return engine.encode(text), lambda char: len(engine.encode(text[:char]))  # exact for byte tokenizers
+
+
+def _find(needle: Sequence[int], haystack: Sequence[int], start: int) -> int | None:
+    """First index >= start where `needle` occurs in `haystack`; None if none (or `needle` is empty)."""
+    if not needle:
+        return None
+    first, size = needle[0], len(needle)
+    at = start
+    while True:
+        try:
+            at = haystack.index(first, at, len(haystack) - size + 1)
+        except ValueError:
+            return None
+        if haystack[at : at + size] == needle:
+            return at
+        at += 1

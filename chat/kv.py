@@ -19,15 +19,28 @@ that is evicted, missing, corrupt, or stored with another dtype is recomputed in
 notice; a span whose tokens differ ends the restore there (also reported). Nothing
 that fails a check is ever loaded.
 
-Save: `plan()` lists the parts of the rendered conversation that have no span yet
-(prefix spans by ordinal, then every message after the chain's end), `snapshot()` copies
-their tensors out of the Context (under the engine lock), `write()` stores them (outside
-it). Long parts are split into spans of `SPAN_TOKENS`.
+Save: `plan()` lays the rendered conversation out in parts (the stored chain, then the
+prefix spans missing by ordinal, then every message after the chain's end), `snapshot()`
+copies the tensors of those not stored yet out of the Context (under the engine lock),
+`write()` stores them (outside it). Long parts are split into spans of `SPAN_TOKENS`.
+
+Segments (DESIGN.md §6). Every span is one segment of the KV cache's segment table
+(`cache.segments`, spotlight/twolevel.py), the unit two-level retrieval picks first. The
+prefix is cut where a document segment ends (`prefix_layout`, chat/documents.py
+`segment_ends`), so each document segment is its own span, with its own code table and
+the summary of its codes (`code_summary`, stored in the span file); each message is its
+own span. A restore registers every span it loads (with the stored summary) or recomputes;
+`snapshot()` registers every part of the layout, stored earlier or not. So a Context has
+the same segment table whether it was restored from disk or computed.
+
+    prefix:  [ template + prompt + <document> + seg 0 | seg 1 | ... | seg S-1 + </document> ... ]
+    then:    [ message | message | ... ]   each part longer than SPAN_TOKENS cut into blocks
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,8 +50,12 @@ import torch
 import memory
 from memory import MessageId, PrefixHash, SessionId, SpanRecord, SpanTensors, Store
 from spotlight.generate import Context, prefill
+from spotlight.twolevel import code_summary
+
+from .documents import segment_ends
 
 SPAN_TOKENS = 2048  # tokens per span file: a 2048-token SmolLM2 span is ~90 MiB in fp32
+_LAYOUTS_KEPT = 8  # prefix layouts memoised per SpanCache (one per recently stored prefix)
 _REASONS = {
     "evicted": "their cached tensors had been evicted to stay within the disk budget",
     "missing": "their cache file was missing (deleted outside Spotlight Chat?)",
@@ -102,6 +119,7 @@ class Part:
     ordinal: int
     start: int
     end: int
+    stored: bool = False  # already a span of the session's chain
 
 
 @dataclass(slots=True)
@@ -117,19 +135,29 @@ def chunks(start: int, end: int, size: int = SPAN_TOKENS) -> list[tuple[int, int
     return [(s, min(s + size, end)) for s in range(start, end, size)]
 
 
+def prefix_layout(prefix_len: int, segment_ends: list[int]) -> list[tuple[int, int]]:
+    """The prefix's spans: [0, prefix_len) cut where a document segment ends (ascending; the last
+    span runs on to the prefix's end, closing template tokens included), then in SPAN_TOKENS runs."""
+    edges = [0, *(end for end in segment_ends[:-1] if 0 < end < prefix_len), prefix_len]
+    return [run for start, end in zip(edges, edges[1:]) for run in chunks(start, end)]
+
+
 def span_tensors(context: Context, start: int, end: int) -> SpanTensors:
-    """Copies of rows [start, end) of the cache: k, v (L, Hkv, T, D), codes (L, Hkv, W, T)."""
+    """Copies of rows [start, end) of the cache: k, v (L, Hkv, T, D), codes (L, Hkv, W, T), and
+    the codes' summary (L, Hkv, B) when they are in host memory."""
     cache = context.cache
     assert end <= cache.length, f"span [{start}, {end}) beyond the cache's {cache.length} tokens"
-    codes = None
+    codes = summary = None
     if cache.codes is not None:
         codes = cache.codes[..., start:end]  # (L, Hkv, W, T)
         codes = codes.copy() if hasattr(codes, "copy") else codes.clone()
+        summary = code_summary(codes) if isinstance(codes, np.ndarray) else None  # (L, Hkv, B)
     return SpanTensors(
         k=cache.k[:, :, start:end].clone(),  # (L, Hkv, T, D)
         v=cache.v[:, :, start:end].clone(),  # (L, Hkv, T, D)
         token_ids=torch.tensor(context.tokens[start:end], dtype=torch.long),  # (T,)
         key_codes=codes,
+        code_summary=summary,
     )
 
 
@@ -141,6 +169,7 @@ class SpanCache:
         self.store = store
         self.engine = engine
         self.dtype_name = str(engine.model.tok_embeddings.weight.dtype).removeprefix("torch.")
+        self._layouts: OrderedDict[PrefixHash, list[tuple[int, int]]] = OrderedDict()
 
     # ------------------------------------------------------------------ restore
 
@@ -188,6 +217,8 @@ class SpanCache:
         if data is not None and data.token_ids.tolist() == expected:
             _load(context, data, len(expected))
             context.tokens.extend(expected)
+            summary = data.code_summary.numpy() if data.code_summary is not None else None  # (L, Hkv, B)
+            context.cache.segments.cover(span.start_pos, span.end_pos, summary)
             report.restored += len(expected)
             return True
         return self._recompute(context, span, expected, key, report, reason or "corrupt", cancel)
@@ -217,6 +248,7 @@ class SpanCache:
         prefill(engine.model, context, expected, engine.policy, chunk=engine.config.prefill_chunk, cancel=cancel)
         if len(context.tokens) != start + len(expected):
             return False  # cancelled: the context stays consistent up to what was computed
+        context.cache.segments.cover(start, start + len(expected))
         report.recomputed += len(expected)
         report.recomputed_by_reason[reason] = report.recomputed_by_reason.get(reason, 0) + len(expected)
         try:
@@ -236,18 +268,26 @@ class SpanCache:
         message_ids: list[MessageId],
         message_end: Callable[[int, int], int],
     ) -> list[Part]:
-        """Parts of the rendered conversation `ids` that have no span yet.
+        """The rendered conversation `ids` in parts, by position: the spans of the session's
+        chain (`stored`), then the prefix spans missing by ordinal (`prefix_layout`), then a
+        span (or SPAN_TOKENS blocks) per message after the chain's end.
 
         `message_end(i, floor)` is the end position of message i (see chat.render)."""
-        parts: list[Part] = []
+        chain = self._chain(session_id, key, ids, prefix_len)
+        parts = [_stored(span) for span in chain if span.end_pos <= len(ids)]
         if prefix_len:
             prefix_hash = key.prefix_hash(ids[:prefix_len])
             record = self.store.find_prefix(prefix_hash)
-            have = {span.ordinal for span in record.spans} if record else set()
-            for ordinal, (start, end) in enumerate(chunks(0, prefix_len)):
-                if ordinal not in have:
-                    parts.append(Part("prefix", prefix_hash, ordinal, start, end))
-        covered = self._covered_messages(session_id, key, ids, prefix_len)
+            if record is None or not record.complete:
+                have = {span.ordinal for span in record.spans} if record else set()
+                layout = self._prefix_layout(session_id, prefix_hash, ids[:prefix_len])
+                for ordinal, (start, end) in enumerate(layout):
+                    if ordinal not in have:
+                        parts.append(Part("prefix", prefix_hash, ordinal, start, end))
+        covered: dict[str, int] = {}  # message id -> end position, for messages in the chain
+        for span in chain:
+            if span.message_id is not None:
+                covered[span.message_id] = max(covered.get(span.message_id, 0), span.end_pos)
         position = prefix_len
         for index, message_id in enumerate(message_ids):
             if message_id in covered:
@@ -259,17 +299,29 @@ class SpanCache:
             position = end
         return parts
 
-    def _covered_messages(self, session_id, key, ids, prefix_len) -> dict[str, int]:
-        """Message id -> end position, for messages whose spans are in the chain."""
-        covered: dict[str, int] = {}
-        for span in self._chain(session_id, key, ids, prefix_len):
-            if span.message_id is not None:
-                covered[span.message_id] = max(covered.get(span.message_id, 0), span.end_pos)
-        return covered
+    def _prefix_layout(self, session_id, prefix_hash: PrefixHash, prefix_ids: list[int]) -> list[tuple[int, int]]:
+        """`prefix_layout` of the session's documents in this prefix (memoised by prefix hash)."""
+        layout = self._layouts.get(prefix_hash)
+        if layout is None:
+            texts = [self.store.document_text(document.id) for document in self.store.session_documents(session_id)]
+            layout = prefix_layout(len(prefix_ids), segment_ends(self.engine, texts, prefix_ids))
+            self._layouts[prefix_hash] = layout
+            while len(self._layouts) > _LAYOUTS_KEPT:
+                self._layouts.popitem(last=False)
+        return layout
 
     def snapshot(self, context: Context, parts: list[Part]) -> list[Pending]:
-        """Copy each part's rows out of the Context (call under the engine lock)."""
-        return [Pending(part, span_tensors(context, part.start, part.end)) for part in parts]
+        """Copy the rows of each part not stored yet out of the Context, and make every part a
+        segment of its cache (call under the engine lock)."""
+        pending: list[Pending] = []
+        for part in sorted(parts, key=lambda p: p.start):
+            summary = None
+            if not part.stored:
+                pending.append(Pending(part, span_tensors(context, part.start, part.end)))
+                summary = pending[-1].tensors.code_summary
+            if part.end <= context.cache.length:
+                context.cache.segments.cover(part.start, part.end, summary)
+        return pending
 
     def write(
         self, session_id: SessionId, key: CacheKey, pending: list[Pending], prefix_ids: list[int]
@@ -302,8 +354,16 @@ class SpanCache:
         return self.store.put_message_span(part.owner_id, part.ordinal, item.tensors, **key.fps, start_pos=part.start)
 
     def _finish_prefix(self, prefix_hash: PrefixHash, prefix_len: int) -> None:
+        """Mark the prefix complete once its spans, by ordinal, tile [0, prefix_len)."""
         record = self.store.find_prefix(prefix_hash)
-        if record is not None and not record.complete and len(record.spans) == len(chunks(0, prefix_len)):
+        if record is None or record.complete:
+            return
+        position = 0
+        for span in record.spans:
+            if span.start_pos != position:
+                return
+            position = span.end_pos
+        if position == prefix_len:
             self.store.complete_prefix(prefix_hash, prefix_len)
 
     def link(self, session_id: SessionId, key: CacheKey, prefix_ids: list[int]) -> None:
@@ -311,6 +371,12 @@ class SpanCache:
         if prefix_ids:
             with contextlib.suppress(memory.PrefixNotFound):
                 self.store.link_prefix(session_id, key.prefix_hash(prefix_ids))
+
+
+def _stored(span: SpanRecord) -> Part:
+    """A span of the chain as a part of the layout."""
+    owner_id = span.prefix_hash if span.owner == "prefix" else span.message_id
+    return Part(span.owner, owner_id, span.ordinal, span.start_pos, span.end_pos, stored=True)
 
 
 def _load(context: Context, data: memory.SpanFile, n: int) -> None:

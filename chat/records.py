@@ -76,8 +76,10 @@ class Turn:
     Token counts cover the prompt of this turn: `cached_tokens` were reused (from memory
     or from disk), `prefill_tokens` were computed now (including any span recomputed
     because it was evicted, missing, corrupt or stale); `restored_tokens` of the cached
-    ones were loaded from disk this turn. `notices` are things the user should be told
-    (a recompute and its reason, a cache that could not be saved).
+    ones were loaded from disk this turn. `read_share`: the measured share of the context
+    each decode step read, averaged over the turn's steps (None without a decode step).
+    `notices` are things the user should be told (a recompute and its reason, a cache that
+    could not be saved).
     """
 
     session_id: SessionId
@@ -93,6 +95,8 @@ class Turn:
     user_message_id: MessageId | None = None
     message_id: MessageId | None = None  # the assistant message, once stored
     sources: list[Source] | None = None  # set on the final Turn when the prompt holds documents
+    read_share: float | None = None  # mean share of the context a decode step read (chat/reads.py)
+    spotlight: bool = False  # decoded with Spotlight attention (else densely)
 
     @property
     def done(self) -> bool:
@@ -109,6 +113,9 @@ class Turn:
             "decode_tokens": self.decode_tokens,
             "decode_tps": round(self.decode_tps, 1),
         }
+        if self.read_share is not None:
+            stats["read_share"] = round(self.read_share, 4)
+            stats["spotlight"] = self.spotlight
         if self.sources:
             stats["sources"] = [source.as_dict() for source in self.sources]
         return stats

@@ -21,9 +21,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 from memory import CacheSize, MessageRecord, Store
-from spotlight.config import AppConfig, SamplingConfig, StoreConfig
+from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig, StoreConfig
 from spotlight.errors import SpotlightError
 
 from . import export
@@ -36,6 +37,7 @@ from .errors import (
     ModelUnavailable,
     translated,
 )
+from .reads import measuring, uses_spotlight
 from .records import ChatMessage, DocumentInfo, MessageId, ResumeReport, SessionId, SessionInfo, Turn
 from .render import Conversation, system_text
 from .runtime import CancelFlags, ContextPool, EngineGate
@@ -77,20 +79,41 @@ class ChatService:
     def engine(self):
         """The engine, loaded on first use (the conversion of the default model runs once).
 
-        NOTE: it decodes densely, as before this service persisted anything; pass
-        `spotlight=self.config.spotlight` here once Spotlight decode is the faster path
-        (spans are keyed by the encoder fingerprint, so switching never reuses wrong codes)."""
+        It decodes as `config.spotlight` says: Spotlight attention when enabled (dense below
+        `dense_below` tokens and in its dense layers), else dense. Spans are keyed by the
+        encoder fingerprint ("dense" without codes), so a cache is never restored into the
+        other kind of engine. An injected `_engine` keeps its own policy."""
         with self._open_lock:
             if self._engine is None:
                 from spotlight.engine import Engine
 
                 try:
-                    engine = Engine.load(self.config.engine, self.config.home)
+                    engine = Engine.load(self.config.engine, self.config.home, spotlight=self.config.spotlight)
                 except SpotlightError as exc:
                     raise ModelUnavailable(f"the model could not be loaded: {exc}") from exc
                 warm_up(engine)
                 self._engine = engine
             return self._engine
+
+    def reconfigured(self, config: AppConfig) -> "ChatService":
+        """A service for `config` over the same store, and this one closed (call when no reply
+        runs). The loaded model is kept when `config.engine` is unchanged; a Spotlight change
+        swaps only the decode policy (`with_spotlight`), so no warm Context or span of the old
+        policy is reused: the new service starts with no warm contexts and restores each
+        conversation from the spans stored under its own encoder fingerprint. A model that
+        does not load raises `ModelUnavailable` and leaves this service as it was."""
+        engine = None
+        if config.engine == self.config.engine:
+            engine = self.engine
+            if config.spotlight != self.config.spotlight:
+                try:
+                    engine = with_spotlight(engine, config.spotlight)
+                except SpotlightError as exc:
+                    raise ModelUnavailable(f"Spotlight could not be set up: {exc}") from exc
+        fresh = ChatService(config, _engine=engine, store_config=self.store_config, keep_contexts=self._pool.capacity)
+        fresh.engine  # load a new model now: if it fails, this service stays in use
+        self.close()
+        return fresh
 
     def warm_up(self) -> float:
         """Run the engine once on a few tokens (done after loading it); returns the seconds.
@@ -334,9 +357,10 @@ class ChatService:
                                           parent_id=records[-1].id if records else None)
             turn = Turn(session_id, user_message_id=user.id)
             system = self.store.get_session(session_id).system_prompt
-            with self._gate.hold(session_id):
+            with self._gate.hold(session_id), measuring(self.engine) as meter:
                 yield from summary.map_reduce(self.engine, self.config.sampling, system, documents, turn,
                                               cancel, progress)
+            turn.read_share, turn.spotlight = meter.share(), uses_spotlight(self.engine)
             stats = {**turn.stats(), "summary": "map-reduce"}
             turn.message_id = self.store.add_message(session_id, "assistant", turn.text, parent_id=user.id,
                                                      metadata={"stats": stats}).id
@@ -428,14 +452,54 @@ class ChatService:
                            siblings.index(record.id), len(siblings), record.metadata.get("stats", {}))
 
 
+def with_spotlight(engine, spotlight: SpotlightConfig):
+    """`engine` decoding as `spotlight` says: the same engine when its policy already does, else
+    a copy sharing the model and tokenizer with a new policy (the encoders are kept when their
+    code width still fits, else found again as `Engine.load` finds them). The original engine
+    is left unchanged, so a reply still running on it is not affected."""
+    from spotlight.attention import CodeSelector, DenseDecode, SpotlightDecode
+    from spotlight.engine import find_encoders
+
+    policy = engine.policy
+    if not spotlight.enabled:
+        return engine if isinstance(policy, DenseDecode) else replace(engine, policy=DenseDecode(), warnings=())
+    if isinstance(policy, SpotlightDecode) and policy.config == spotlight:
+        return engine
+    encoders = getattr(getattr(policy, "selector", None), "encoders", None)
+    warnings = engine.warnings
+    if encoders is None or encoders.spec.bits != spotlight.bits:
+        encoders, found = find_encoders(engine.args, engine.fingerprint, spotlight.bits, engine.config.encoder_path)
+        warnings = tuple(found)
+    return replace(engine, policy=SpotlightDecode(spotlight, CodeSelector(encoders)), warnings=warnings)
+
+
 def warm_up(engine) -> float:
-    """One short prefill + decode on a throwaway context; the seconds it took."""
+    """One short prefill + decode on a throwaway context; the seconds it took. With Spotlight
+    the decode also runs once through the sparse path (`_warm_up_sparse`)."""
     started = time.perf_counter()
     ids = engine.encode("Warm up.") or [0]
-    for _ in engine.stream(engine.new_context(len(ids) + _WARM_UP_TOKENS), ids,
-                           SamplingConfig(max_new_tokens=_WARM_UP_TOKENS)):
+    sampling = SamplingConfig(max_new_tokens=_WARM_UP_TOKENS)
+    for _ in engine.stream(engine.new_context(len(ids) + _WARM_UP_TOKENS), ids, sampling):
         pass
+    if getattr(getattr(engine.policy, "config", None), "enabled", False):
+        _warm_up_sparse(engine, ids, sampling)
     return time.perf_counter() - started
+
+
+def _warm_up_sparse(engine, ids: list[int], sampling: SamplingConfig) -> None:
+    """Decode `ids` with the engine's Spotlight selector in every layer (a copy of its policy
+    that selects from a few tokens), so the first long reply does not pay the selection and
+    attention kernels' one-time start: ~5 s on 2 cores when numba compiles them (first run
+    after an install), milliseconds when its cache has them."""
+    from spotlight.attention import SpotlightDecode
+    from spotlight.generate import stream
+
+    sparse = replace(engine.policy.config, dense_layers=(), dense_below=0, sinks=1, window=1, k_min=1)
+    policy = SpotlightDecode(sparse, engine.policy.selector)
+    context = engine.new_context(len(ids) + _WARM_UP_TOKENS)
+    for _ in stream(engine.model, engine.tokenizer, context, ids, policy, sampling, eos_ids=set(),
+                    max_context=engine.max_context, chunk=engine.config.prefill_chunk):
+        pass
 
 
 def _document_info(record) -> DocumentInfo:

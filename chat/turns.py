@@ -23,6 +23,7 @@ from spotlight.config import SamplingConfig
 from spotlight.generate import Context, prefill
 
 from .kv import CacheKey, Restored, SpanCache
+from .reads import measuring, uses_spotlight
 from .records import ResumeReport, Turn
 from .render import Conversation, Renderer
 from .runtime import ContextPool, EngineGate
@@ -86,21 +87,23 @@ class TurnRunner:
             self._report_restore(turn, prepared.restored)
             prepared.context.cache.reserve(capacity)
             tracker = SourceTracker.for_prompt(self.engine, plan.conversation.system, prompt) if plan.sources else None
-            if tracker is not None:
-                tracker.start()
-            try:
-                for step in self.engine.stream(prepared.context, prompt, self.sampling, cancel=cancel):
-                    turn.text += step.text
-                    if step.finish is None:
-                        yield turn
-                        continue
-                    _fill_stats(turn, step.finish, step.stats, prepared.restored)
-            except GeneratorExit:
-                closed, turn.finish = True, "cancelled"
-                cancel.set()
-            finally:
+            with measuring(self.engine) as meter:
                 if tracker is not None:
-                    tracker.stop()
+                    tracker.start()
+                try:
+                    for step in self.engine.stream(prepared.context, prompt, self.sampling, cancel=cancel):
+                        turn.text += step.text
+                        if step.finish is None:
+                            yield turn
+                            continue
+                        _fill_stats(turn, step.finish, step.stats, prepared.restored)
+                except GeneratorExit:
+                    closed, turn.finish = True, "cancelled"
+                    cancel.set()
+                finally:
+                    if tracker is not None:
+                        tracker.stop()
+            turn.read_share, turn.spotlight = meter.share(), uses_spotlight(self.engine)
             if tracker is not None and turn.text:
                 turn.sources = tracker.sources() or None
             pending = self._commit(plan, turn, prepared, cancel)

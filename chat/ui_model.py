@@ -187,12 +187,18 @@ def gauge_html(use: ContextUse | None) -> str:
 
 
 def spotlight_share(spotlight: SpotlightConfig, n_tokens: int, measured: float | None = None,
-                    dense_engine: bool = False) -> str:
+                    dense_engine: bool = False, measured_spotlight: bool = True) -> str:
     """Share of the context attention reads per decode step: measured when the turn carries
-    it, else estimated from the configured budget; `dense_engine`: the engine that ran
+    it (`measured`, the mean over its steps; `measured_spotlight`: whether that turn decoded
+    with Spotlight), else estimated from the configured budget; `dense_engine`: the engine
     decodes densely whatever the settings say."""
     if measured is not None:
-        return f"Spotlight read {100 * measured:.1f}% of the context per step"
+        if not measured_spotlight:
+            return "Spotlight off: every step read the whole context"
+        line = f"Spotlight read {100 * measured:.1f}% of the context per step"
+        if measured >= 1.0 and n_tokens < spotlight.dense_below:
+            line += f" (dense below {spotlight.dense_below:,} tokens)"
+        return line
     if not spotlight.enabled:
         return "Spotlight off: every step reads the whole context"
     if n_tokens < spotlight.dense_below:
@@ -213,8 +219,7 @@ def turn_line(stats: dict | Turn | None, spotlight: SpotlightConfig, dense_engin
     if stats is None:
         return ""
     if isinstance(stats, Turn):
-        measured = getattr(stats, "read_share", None)
-        stats = {**stats.stats(), "read_share": measured}
+        stats = stats.stats()
     if not stats or stats.get("finish") is None and not stats.get("decode_tokens"):
         return ""
     cached, computed = stats.get("cached_tokens", 0), stats.get("prefill_tokens", 0)
@@ -226,7 +231,8 @@ def turn_line(stats: dict | Turn | None, spotlight: SpotlightConfig, dense_engin
         parts.append(f"prefill {stats['prefill_tps']:,.0f} tok/s")
     if stats.get("decode_tokens"):
         parts.append(f"decode {stats['decode_tokens']:,} tokens at {stats.get('decode_tps', 0):,.1f} tok/s")
-    parts.append(spotlight_share(spotlight, cached + computed, stats.get("read_share"), dense_engine))
+    parts.append(spotlight_share(spotlight, cached + computed, stats.get("read_share"), dense_engine,
+                                 stats.get("spotlight", True)))
     if stats.get("finish") == "cancelled":
         parts.append("stopped")
     elif stats.get("finish") == "length":
@@ -309,9 +315,13 @@ def apply_settings(config: AppConfig, form: SettingsForm) -> tuple[AppConfig, li
     if form.system_prompt != config.system_prompt:
         notes.append("**System prompt changed:** it applies to new conversations. A new system prompt is a new "
                      "prefix, so their cache is built from scratch; existing conversations keep theirs.")
-    if spotlight != config.spotlight:
-        notes.append("**Spotlight changed:** cached codes are keyed by the Spotlight encoders, so a conversation "
-                     "cached with other settings is recomputed, not reused.")
+    if spotlight.enabled != config.spotlight.enabled:
+        mode = "with Spotlight" if spotlight.enabled else "densely"
+        notes.append(f"**Spotlight changed:** replies now decode {mode}. Caches are keyed by the Spotlight "
+                     "encoders (none when off): a conversation without a cache stored for this setting is read "
+                     "again on its next message.")
+    elif spotlight != config.spotlight:
+        notes.append("**Spotlight budget changed:** applies from the next reply; cached context and codes are kept.")
     if sampling != config.sampling:
         notes.append("**Sampling changed:** applies from the next reply; cached context is kept.")
     return new, notes

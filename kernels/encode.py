@@ -1,6 +1,8 @@
-"""CPU query codes of one decode step: the residual-MLP encoder and sign packing in one call.
+"""CPU codes of one decode step (its queries, its new key): the residual-MLP encoder and sign
+packing in one call.
 
-Shape legend: R rows (query heads), D head dim, F hidden width, C code bits, W = ceil(C / 64).
+Shape legend: R rows (query heads, or KV heads for a key), D head dim, F hidden width, C code
+bits, W = ceil(C / 64).
 
 The encoder of each row (spotlight/hashing.py `HeadMLP`) is
 
@@ -11,8 +13,10 @@ ops (~90 us per layer for 9 heads, plus ~25 us to pack); this runs it in ~15 us.
 
 NOTE: the sums run in another order than torch's, so a bit whose h lies within float rounding
 of 0 can differ from `pack(encoders.query_bits(...))` (about one bit in 10^6 of random inputs);
-such a bit carries no ranking information either way. Key codes, which must not depend on how
-tokens arrived (prefill or decode), keep the torch path.
+such a bit carries no ranking information either way. spotlight/attention.py `CodeSelector` runs
+the query codes and a decode step's key codes here (prefill keys go through torch in one batch);
+a decoded key's code may thus differ from the prefill path's in such a bit (one in ~10^7 measured
+on SmolLM2), as its key itself differs by float rounding between the two paths.
 """
 from __future__ import annotations
 

@@ -15,7 +15,11 @@ Prefill chunks always attend densely (see model.causal_attention).
 `retrieved = max(k_min, ratio * N)` others that its selector ranks highest, and runs exact
 softmax attention over those rows. Every selector (Spotlight codes, random SimHash, exact
 top-k, Quest pages, sinks + window only) returns the same layout
-(`kernels.selection_layout`), so budgets are identical across methods.
+(`kernels.selection_layout`), so budgets are identical across methods. From
+`two_level_from` cached tokens on, a selector that has `select_segments` (CodeSelector) and a
+cache with segments (`cache.segments`, spotlight/twolevel.py) pick segments by their code
+summaries first, then tokens inside them: same layout and budget, fewer codes read. Below
+the threshold, or without segments, the flat scan runs; it is the reference.
 
 Fast path (CPU, fp32 cache, numba): attention reads the selected rows in place
 (`kernels.gather_attend`, no gathered copies) and dense layers stream the cache once
@@ -37,6 +41,7 @@ import kernels
 from .config import SpotlightConfig
 from .hashing import Encoders
 from .model import dense_decode
+from .twolevel import TwoLevelConfig, TwoLevelScan
 
 
 def fast_path(q: torch.Tensor, cache) -> bool:
@@ -98,6 +103,7 @@ class StepRecord:
 
     n_tokens: int = 0
     selected: dict | None = None  # layer -> (Hkv, K) int32 indices
+    two_level: dict | None = None  # layer -> True when segments were picked first, False for the flat scan
 
 
 class SpotlightDecode:
@@ -107,6 +113,7 @@ class SpotlightDecode:
         self.config = config
         self.selector = selector
         self.record: StepRecord | None = None  # set to StepRecord() to keep each step's selections
+        self.selections = {"flat": 0, "two_level": 0}  # sparse layer-steps by path, since construction
         self.attend = Attend()
 
     @property
@@ -120,17 +127,28 @@ class SpotlightDecode:
         c = self.config
         return not c.enabled or layer in c.dense_layers or n_tokens < c.dense_below
 
+    def uses_segments(self, cache, n_tokens: int) -> bool:
+        """Whether a step over `n_tokens` selects two-level: a long enough context, and a selector
+        and cache that have segments."""
+        return (n_tokens >= self.config.two_level_from and hasattr(self.selector, "select_segments")
+                and self.selector.has_segments(cache))
+
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         n = cache.length + 1  # the key of the token being decoded is already written
         if self.is_dense(layer, n):
             return self.attend.dense(layer, q, cache)  # (H, 1, D)
         c = self.config
         retrieved = max(c.k_min, int(c.ratio * n))
-        idx = self.selector.select(layer, q, cache, n, retrieved, c.sinks, c.window)  # (Hkv, K) int
+        two_level = self.uses_segments(cache, n)
+        select = self.selector.select_segments if two_level else self.selector.select
+        idx = select(layer, q, cache, n, retrieved, c.sinks, c.window)  # (Hkv, K) int
+        self.selections["two_level" if two_level else "flat"] += 1
         if self.record is not None:
             self.record.n_tokens = n
             self.record.selected = self.record.selected or {}
             self.record.selected[layer] = np.array(idx, copy=True)  # idx may be a reused buffer
+            self.record.two_level = self.record.two_level or {}
+            self.record.two_level[layer] = two_level
         return self.attend.sparse(layer, q, cache, idx)  # (H, 1, D)
 
 
@@ -151,45 +169,77 @@ def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx
 class CodeSelector:
     """Hamming top-k over packed codes: Spotlight (trained or untrained) or random SimHash.
 
-    On the fast path the query codes come from `kernels.encode.mlp_codes` over views of the
-    encoder's parameters (in place: retraining them in place is seen), and the selection is
-    written into a buffer of the cache's capacity (reused: copy it to keep it).
+    On the fast path the query codes and a decode step's key codes come from
+    `kernels.encode.mlp_codes` over views of the encoders' parameters (in place: retraining
+    them in place is seen), and the selection is written into a buffer of the cache's
+    capacity (reused: copy it to keep it). `select` is the flat scan; `select_segments` the
+    two-level one (spotlight/twolevel.py).
     """
 
-    def __init__(self, encoders: Encoders):
+    def __init__(self, encoders: Encoders, two_level: TwoLevelConfig = TwoLevelConfig()):
         self.encoders = encoders
+        self.two_level = TwoLevelScan(two_level)
         self.code_words = kernels.words_for(encoders.spec.bits)
         self._capacity = None  # the code buffer's shape (Hkv, W, Ncap) the buffers below were made for
         self._scratch = None  # kernels.score_select scratch
         self._selected = None  # (Hkv * Ncap,) int32: room for any selection of this capacity
         self._q_codes = None  # (H, W) uint64
+        self._k_codes = None  # (Hkv, W) uint64: a decode step's key codes
         self._query_weights = {}  # layer -> numpy views (w1, b1, w2, w_out) of the query encoder
+        self._key_weights = {}  # layer -> the same views of the key encoder
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
+        mlp = self.encoders.key
+        if k.shape[1] == 1 and _fused(k, mlp):
+            # NOTE: a decode step's key codes come from the fused kernel, like its query codes.
+            # Through torch they are three tiny batched GEMMs per layer, each an MKL parallel region
+            # that waits for the second core: ~8 ms on a shared 2-core machine with torch's default
+            # 2 threads (0.7-2.5 s per token over 30 layers), ~15 us here. Its sums run in another
+            # order, so about one bit in 10^7 can differ from the prefill path's code; the keys
+            # themselves already differ by float rounding between decode and prefill.
+            if self._k_codes is None or self._k_codes.shape[0] != k.shape[0]:
+                self._k_codes = np.empty((k.shape[0], self.code_words), np.uint64)  # (Hkv, W)
+            weights = _weights(mlp, layer, self._key_weights)
+            codes = kernels.mlp_codes(k[:, 0], *weights, mlp.depth, out=self._k_codes)  # (Hkv, W)
+            cache.codes[layer, :, :, cache.length] = codes
+            return
         h = self.encoders.key_bits(layer, k)  # (Hkv, T, C)
         kernels.pack_into(h.detach().float().numpy(), cache.codes[layer], cache.length)
 
     def query_codes(self, layer: int, q: torch.Tensor) -> np.ndarray:
         """Packed query codes (H, W) of q (H, 1, D)."""
         mlp = self.encoders.query
-        if not (kernels.cpu.HAVE_NUMBA and q.device.type == mlp.w_out.device.type == "cpu"
-                and q.dtype == mlp.w_out.dtype == torch.float32):
+        if not _fused(q, mlp):
             h = self.encoders.query_bits(layer, q)[:, 0]  # (H, C)
             return kernels.pack(h.detach().float().numpy())  # (H, W)
-        weights = self._query_weights.get(layer)
-        if weights is None:
-            weights = tuple(p.detach()[layer].numpy() for p in (mlp.w1, mlp.b1, mlp.w2, mlp.w_out))
-            self._query_weights[layer] = weights
         if self._q_codes is None or self._q_codes.shape[0] != q.shape[0]:
             self._q_codes = np.empty((q.shape[0], self.code_words), np.uint64)  # (H, W)
+        weights = _weights(mlp, layer, self._query_weights)
         return kernels.mlp_codes(q[:, 0], *weights, mlp.depth, out=self._q_codes)  # (H, W)
 
     def select(self, layer, q, cache, n, retrieved, sinks, window):
         q_codes = self.query_codes(layer, q)  # (H, W)
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
-        hkv, size = k_codes.shape[0], kernels.selection_layout(n, retrieved, sinks, window).size
-        out = self._selection_buffer(q_codes, k_codes)[: hkv * size].reshape(hkv, size)  # (Hkv, K) view
+        out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
         return kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
+
+    def has_segments(self, cache) -> bool:
+        """Whether `cache` has segments with summaries (host-memory codes) to select from."""
+        table = getattr(cache, "segments", None)
+        return table is not None and table.ones is not None and len(table) > 0
+
+    def select_segments(self, layer, q, cache, n, retrieved, sinks, window):
+        """`select` restricted to the best segments of cache.segments and every token outside them."""
+        q_codes = self.query_codes(layer, q)  # (H, W)
+        k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
+        out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
+        return self.two_level.select(layer, q_codes, k_codes, cache.segments, n, retrieved, sinks, window, out,
+                                     self._scratch)
+
+    def _out(self, q_codes, k_codes, n, retrieved, sinks, window) -> np.ndarray:
+        """The (Hkv, K) view of the reused selection buffer for this step's layout."""
+        hkv, size = k_codes.shape[0], kernels.selection_layout(n, retrieved, sinks, window).size
+        return self._selection_buffer(q_codes, k_codes)[: hkv * size].reshape(hkv, size)
 
     def _selection_buffer(self, q_codes, k_codes) -> np.ndarray:
         """(Hkv * Ncap,) int32 room for any selection, and the scan's scratch, made once per capacity."""
@@ -199,6 +249,19 @@ class CodeSelector:
             self._selected = np.empty(k_codes.shape[0] * k_codes.shape[2], np.int32)  # (Hkv * Ncap,)
         return self._selected
 
+
+
+def _fused(x: torch.Tensor, mlp) -> bool:
+    """Whether `kernels.mlp_codes` serves x: numba, and x and the encoder fp32 on the CPU."""
+    return (kernels.cpu.HAVE_NUMBA and x.device.type == mlp.w_out.device.type == "cpu"
+            and x.dtype == mlp.w_out.dtype == torch.float32)
+
+
+def _weights(mlp, layer: int, memo: dict) -> tuple:
+    """numpy views (w1, b1, w2, w_out) of one layer of an encoder MLP, made once per layer."""
+    if layer not in memo:
+        memo[layer] = tuple(p.detach()[layer].numpy() for p in (mlp.w1, mlp.b1, mlp.w2, mlp.w_out))
+    return memo[layer]
 
 class OracleSelector:
     """Exact top-k: ranks tokens by the attention probability summed over the query group."""

@@ -11,6 +11,11 @@ Positions and lengths (batch size is always 1: one conversation per cache):
 `write(layer, k, v)` stores the T new rows of one layer at [n, n+T); after all layers
 ran, `advance(T)` makes them part of the cache. `truncate(m)` forgets everything from
 m on (edit / regenerate); nothing is freed, so the next append reuses the memory.
+
+`segments` (spotlight/twolevel.py) holds the cache's segment boundaries and per-segment code
+summaries for two-level retrieval. Whoever lays the tokens out registers them (chat/kv.py: one
+segment per stored span, set when spans are restored or stored); the summaries are kept only
+for host-memory codes (bound here), and `truncate` truncates them with the rows.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import numpy as np
 import torch
 
 from .config import ModelArgs
+from .twolevel import SegmentTable
 
 _GROW_ROUND = 256  # capacity grows in multiples of this many tokens
 
@@ -42,6 +48,9 @@ class KVCache:
         self.code_words = code_words
         self.length = 0
         self._allocate(max(capacity, 1))
+        self.segments = SegmentTable()
+        if isinstance(self.codes, np.ndarray):
+            self.segments.bind(args.n_layers, args.n_kv_heads, code_words)
 
     def _allocate(self, capacity: int) -> None:
         capacity = -(-capacity // _GROW_ROUND) * _GROW_ROUND
@@ -89,10 +98,11 @@ class KVCache:
         self.length += n_tokens
 
     def truncate(self, length: int) -> None:
-        """Forget every token from `length` on."""
+        """Forget every token from `length` on (and the segments' share of them)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
+        self.segments.truncate(length)
 
     def keys(self, layer: int, extra: int = 0) -> torch.Tensor:
         """Cached keys of a layer including `extra` rows being written: (Hkv, N, D) view."""

@@ -1,28 +1,31 @@
-"""Two-level retrieval over document segments: pick segments by their code summaries, then tokens.
+"""Two-level retrieval over cache segments: pick segments by their code summaries, then tokens.
 
 Shape legend: L layers, H query heads, Hkv KV heads, W packed words, B = 64 W code bit positions,
-S segments (Scap allocated), N cached tokens (including the one being decoded), R ranges per head.
+S segments (Scap allocated), N cached tokens (including the one being decoded), R ranges per head,
+T tokens of one span.
 
-A cache holding long documents carries a `SegmentTable`: its segments are ascending, disjoint
-token spans (one document segment each, i.e. one memory span) with their own code table (their
+A KV cache with key codes in host memory carries a `SegmentTable` (`KVCache.segments`): ascending,
+disjoint token spans, one per stored memory span (chat/kv.py: the prefix cut at document segment
+ends, then each chat turn, long parts in fixed-size blocks), each with its own code table (its
 range of cache.codes) and a summary per layer and KV head: ones[l, h, s, b], how many of the
-segment's tokens have code bit b set. Tokens outside every segment (system prompt, chat turns)
-are always scanned exactly.
+segment's tokens have code bit b set. Tokens outside every segment (the turn being written or
+generated, not stored yet) are always scanned exactly.
 
-    tokens:  [ prompt | seg 0 | seg 1 | ... | seg S-1 | chat turns ...... | new ]
-               always   by summary first, then tokens   always (window: forced)
+    tokens:  [ prompt + doc seg 0 | doc seg 1 | ... | turn | turn | new turn, not stored | new ]
+               segments: by summary first, then the tokens inside the chosen ones   always scanned
 
-`TwoLevelSelector` (above `TwoLevelConfig.min_tokens` cached tokens, with segments) scores each
-segment by the mean token score its summary implies (kernels.segment_scores), takes per KV head
-the best segments until their middle tokens reach `multiple` x the retrieved budget, and runs the
-flat selection (sinks + window forced, top `retrieved` by score desc, index asc) over those
-segments plus every token outside segments (kernels.ranges_score_select). Below the threshold,
-or with no segments, it is the flat CodeSelector, which stays the reference: with every segment
-chosen, both return identical indices.
+`TwoLevelScan.select` (CodeSelector.select_segments, which SpotlightDecode calls from
+`SpotlightConfig.two_level_from` cached tokens on) scores each segment by the mean token score
+its summary implies (kernels.segment_scores), takes per KV head the best segments until their
+middle tokens reach `multiple` x the retrieved budget, and runs the flat selection (sinks +
+window forced, top `retrieved` by score desc, index asc) over those segments plus every token
+outside segments (kernels.ranges_score_select). The flat scan stays the reference: with every
+segment chosen, both return identical indices.
 
-Summaries follow cache.codes lazily: `sync(layer, codes, n)` (called at select time) counts the
-bits of tokens that arrived since the last sync of that layer, so prefill, decode and
-`cache.load` all update them the same way; `truncate(m)` must be called with the cache's.
+Summaries follow cache.codes incrementally: `sync(layer, codes, n)` (at select time) counts the
+bits of the tokens that arrived since that layer's last sync, so prefill and decode update them
+the same way and no step recounts a segment; a span read from disk brings its stored summary
+(`add(..., ones=)`), which is taken as is. `KVCache.truncate` truncates the table with the cache.
 """
 from __future__ import annotations
 
@@ -32,22 +35,28 @@ import numpy as np
 
 import kernels
 
-from .attention import CodeSelector
-from .hashing import Encoders
-
 _GROW = 64  # segment slots are allocated in multiples of this
 
 
 @dataclass(frozen=True)
 class TwoLevelConfig:
-    """When and how widely the two-level selector scans (measured: bench/retrieval.py, two-level part)."""
+    """How widely the two-level scan reads (measured: bench/retrieval.py, two-level part). When it
+    runs at all is `SpotlightConfig.two_level_from`."""
 
-    min_tokens: int = 65536  # below this many cached tokens the flat scan is cheap enough: use it
     multiple: float = 2.0  # chosen segments cover this multiple of the retrieved budget per KV head
 
     def __post_init__(self):
-        if self.multiple < 1 or self.min_tokens < 0:
-            raise ValueError(f"multiple must be >= 1 and min_tokens >= 0, got {self.multiple}, {self.min_tokens}")
+        if self.multiple < 1:
+            raise ValueError(f"multiple must be >= 1, got {self.multiple}")
+
+
+def code_summary(codes: np.ndarray) -> np.ndarray:
+    """A span's summary: per-bit counts (L, Hkv, B) int32 of its codes (L, Hkv, W, T) uint64."""
+    layers, kv_heads, words, n_tokens = codes.shape
+    ones = np.zeros((layers, kv_heads, words * 64), np.int32)  # (L, Hkv, B)
+    for layer in range(layers):
+        kernels.bit_counts(np.ascontiguousarray(codes[layer]), 0, n_tokens, ones[layer])  # (Hkv, B)
+    return ones
 
 
 class SegmentTable:
@@ -57,7 +66,7 @@ class SegmentTable:
         self.count = 0
         self._starts = np.zeros(_GROW, np.int64)  # (Scap,)
         self._ends = np.zeros(_GROW, np.int64)  # (Scap,)
-        self.ones: np.ndarray | None = None  # (L, Hkv, Scap, B) int32, made at the first sync
+        self.ones: np.ndarray | None = None  # (L, Hkv, Scap, B) int32, made by bind()
         self.summarized: np.ndarray | None = None  # (L,) int64: tokens [0, summarized[l]) are counted
         self._stale: list[set[int]] = []  # per layer: segments to recount from their start
 
@@ -72,18 +81,41 @@ class SegmentTable:
     def ends(self) -> np.ndarray:
         return self._ends[: self.count]  # (S,)
 
-    def add(self, start: int, end: int) -> None:
-        """Register the span [start, end) as a segment; spans come in ascending, disjoint order."""
+    def add(self, start: int, end: int, ones: np.ndarray | None = None) -> None:
+        """Register the span [start, end) as a segment; spans come in ascending, disjoint order.
+
+        `ones` (L, Hkv, B) int32: the segment's summary when it is known (a span read from disk,
+        whose codes are already in the cache); a layer whose counts reach exactly `start` takes
+        it as is, any other layer counts the segment's codes at its next sync.
+        """
         last = int(self._ends[self.count - 1]) if self.count else 0
         if not last <= start < end:
             raise ValueError(f"segment [{start}, {end}) must be non-empty and start at or after {last}")
         if self.count == self._starts.size:
             self._grow()
-        self._starts[self.count], self._ends[self.count] = start, end
-        if self.summarized is not None:  # tokens already counted past its start: recount it
-            for layer in np.flatnonzero(self.summarized > start):
-                self._stale[layer].add(self.count)
+        segment = self.count
+        self._starts[segment], self._ends[segment] = start, end
         self.count += 1
+        if self.summarized is None:
+            return
+        for layer in np.flatnonzero(self.summarized > start):  # tokens already counted past its start
+            self._stale[layer].add(segment)
+        if ones is not None:
+            assert ones.shape == self.ones[:, :, segment].shape, f"summary {ones.shape} for {self.ones.shape}"
+            for layer in np.flatnonzero(self.summarized == start):
+                self.ones[layer, :, segment] = ones[layer]  # (Hkv, B)
+                self.summarized[layer] = end
+
+    def cover(self, start: int, end: int, ones: np.ndarray | None = None) -> None:
+        """Make [start, end) a segment unless it already is one. Segments reaching past `start`
+        come from an older layout of those tokens (a reply being regenerated) and are dropped or
+        clipped first."""
+        at = int(np.searchsorted(self.starts, start))
+        if at < self.count and (self._starts[at], self._ends[at]) == (start, end):
+            return
+        if self.count and self._ends[self.count - 1] > start:
+            self.truncate(start)
+        self.add(start, end, ones)
 
     def truncate(self, length: int) -> None:
         """Forget segments and counts from token `length` on (call with KVCache.truncate)."""
@@ -144,37 +176,26 @@ class SegmentTable:
             self.ones = grown
 
 
-class TwoLevelSelector(CodeSelector):
-    """Spotlight codes, scanning only the best segments (and every token outside segments).
+class TwoLevelScan:
+    """One two-level selection per call, with its reused buffers (owned by a CodeSelector)."""
 
-    The cache's segments come from `cache.segments` (a SegmentTable; none: the flat scan).
-    Returned selections are reused buffers, as CodeSelector's.
-    """
-
-    def __init__(self, encoders: Encoders, config: TwoLevelConfig = TwoLevelConfig()):
-        super().__init__(encoders)
+    def __init__(self, config: TwoLevelConfig = TwoLevelConfig()):
         self.config = config
         self._ranges = None  # (lo, hi) (Hkv, 2 Scap + 1) int64 and count (Hkv,) int64
         self._segment_scores = None  # (Hkv, S) float64
 
-    def select(self, layer, q, cache, n, retrieved, sinks, window):
-        table: SegmentTable | None = getattr(cache, "segments", None)
-        if table is None or not len(table) or n < self.config.min_tokens or not isinstance(cache.codes, np.ndarray):
-            return super().select(layer, q, cache, n, retrieved, sinks, window)
-        q_codes = self.query_codes(layer, q)  # (H, W)
-        k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
-        if table.ones is None:
-            table.bind(cache.args.n_layers, k_codes.shape[0], k_codes.shape[1])
+    def select(self, layer: int, q_codes, k_codes, table: SegmentTable, n: int, retrieved: int, sinks: int,
+               window: int, out: np.ndarray, scratch) -> np.ndarray:
+        """int32 (Hkv, K) in the flat layout: q_codes (H, W), k_codes (Hkv, W, Ncap) of `layer`;
+        `out` (Hkv, K) and `scratch` (kernels.make_scratch) are the caller's reused buffers."""
         table.sync(layer, k_codes, n)
         layout = kernels.selection_layout(n, retrieved, sinks, window)
         need = max(layout.retrieved, int(np.ceil(self.config.multiple * layout.retrieved)))
         lo, hi, count, scores = self._buffers(k_codes.shape[0], table)
         kernels.segment_scores(q_codes, table.summary(layer), table.lengths(n), out=scores)  # (Hkv, S)
         kernels.pick_ranges(scores, table.starts, table.ends, layout.sinks_end, layout.window_start, need, lo, hi, count)
-        hkv = k_codes.shape[0]
-        out = self._selection_buffer(q_codes, k_codes)[: hkv * layout.size].reshape(hkv, layout.size)  # (Hkv, K)
         return kernels.ranges_score_select(q_codes, k_codes, n, lo, hi, count, retrieved, sinks, window, out=out,
-                                           scratch=self._scratch)  # (Hkv, K)
+                                           scratch=scratch)  # (Hkv, K)
 
     def _buffers(self, hkv: int, table: SegmentTable):
         slots = 2 * table.ones.shape[2] + 1  # at most one gap per segment, the segment, and the tail

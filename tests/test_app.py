@@ -2,6 +2,8 @@
 and one real-model flow over HTTP. Issue: "The Gradio app: a long-document chat people enjoy,
 tested in a real browser" (flows on the fake engine: test_app_flows.py; browser: test_browser.py).
 """
+from dataclasses import replace
+
 import pytest
 
 from app import history_from_gradio, text_of, throttled
@@ -80,6 +82,13 @@ def test_turn_line_shows_cached_computed_restored_and_speeds():
 def test_spotlight_share_is_measured_when_the_turn_carries_it():
     config = SpotlightConfig()
     assert ui.spotlight_share(config, 10_000, measured=0.031) == "Spotlight read 3.1% of the context per step"
+    assert ui.spotlight_share(config, 500, measured=1.0) == \
+        "Spotlight read 100.0% of the context per step (dense below 2,048 tokens)"
+    assert ui.spotlight_share(config, 10_000, measured=1.0, measured_spotlight=False) == \
+        "Spotlight off: every step read the whole context"
+    turn = Turn("s", "text", finish="eos", cached_tokens=9000, decode_tokens=8, read_share=0.04321, spotlight=True)
+    assert (turn.stats()["read_share"], turn.stats()["spotlight"]) == (0.0432, True)
+    assert "Spotlight read 4.3% of the context per step" in ui.turn_line(turn, config).split(" · ")
     assert "dense below 2,048" in ui.spotlight_share(config, 500)
     assert ui.spotlight_share(SpotlightConfig(enabled=False), 10_000).startswith("Spotlight off")
     share = 100 * config.budget(10_000) / 10_000
@@ -106,6 +115,10 @@ def test_apply_settings_explains_what_each_change_invalidates():
     assert changed.system_prompt == "Be thorough." and not changed.spotlight.enabled
     assert [note.split(":")[0] for note in notes] == [
         "**Model changed", "**System prompt changed", "**Spotlight changed", "**Sampling changed"]
+    assert "replies now decode densely" in notes[2]
+    budget, notes = ui.apply_settings(config, replace(form, spotlight_ratio=0.05))
+    assert (budget.spotlight.ratio, notes) == (0.05, [
+        "**Spotlight budget changed:** applies from the next reply; cached context and codes are kept."])
     with pytest.raises(ValueError, match="top_p"):
         ui.apply_settings(config, ui.SettingsForm("", 0.0, 0.0, 64, 1.0, "", True, 0.02))
 

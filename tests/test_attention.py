@@ -124,6 +124,26 @@ def test_codes_appended_incrementally_equal_codes_computed_at_once():
             assert (cache.codes[layer, :, :, :n] == at_once).all(), f"layer {layer}"
 
 
+def test_a_decode_step_codes_its_key_with_the_fused_kernel_and_the_codes_match_prefill():
+    """Regression (the chat service's Spotlight decode at ~2.5 s per token): through torch, one
+    token's key encoder is three tiny batched GEMMs per layer, each a threaded MKL call that
+    waited ~8 ms for the second core of a busy 2-core machine. Decode steps use mlp_codes."""
+    import kernels
+
+    model, encoders = model_and_encoders()
+    with torch.no_grad():
+        encoders.key.w2.normal_(0, 0.2)  # a residual block that changes the codes, like a trained one
+    torch_codes, calls = encoders.key_bits, []
+    encoders.key_bits = lambda layer, k: (calls.append(k.shape[1]), torch_codes(layer, k))[1]
+    _, cache = decode_logits(model, spotlight(encoders), PROMPT, STEPS, code_words=2)
+    assert calls == [len(PROMPT)] * model.args.n_layers  # the prefill only: no decode step ran torch's encoder
+    n = len(PROMPT) + len(STEPS)
+    for layer in range(model.args.n_layers):
+        with torch.inference_mode():
+            h = torch_codes(layer, cache.keys(layer))  # every cached key at once: (Hkv, N, C)
+        at_once = kernels.pack(h.numpy()).transpose(0, 2, 1)  # (Hkv, W, N)
+        assert (cache.codes[layer, :, :, :n] == at_once).all(), f"layer {layer}"
+
 def test_untrained_identity_codes_are_the_signs_of_the_keys():
     model, encoders = model_and_encoders(bits=64)
     k = torch.randn(model.args.n_kv_heads, 5, model.args.head_dim)

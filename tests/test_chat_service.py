@@ -17,6 +17,7 @@ from chat.errors import (
     ImportFailed,
     InvalidAction,
     MessageNotFound,
+    ModelUnavailable,
     SaveFailed,
     StorageUnavailable,
 )
@@ -24,7 +25,7 @@ from chat.render import Renderer
 from chat.service import ChatService
 from chat.testing import tiny_engine
 from memory import blobs
-from spotlight.config import AppConfig, SamplingConfig, StoreConfig
+from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig, StoreConfig
 
 
 @pytest.fixture(scope="module")
@@ -424,3 +425,81 @@ def test_store_budget_is_honoured(config, tiny, tmp_path):
     assert service.cache_size(sessions[0].id).evicted_spans > 0  # the least recently used went first
     assert service.cache_size(sessions[-1].id).evicted_spans == 0
     service.close()
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def test_spotlight_settings_swap_the_decode_policy_and_never_reuse_wrong_state(tmp_path):
+    from dataclasses import replace
+
+    from spotlight.attention import DenseDecode, SpotlightDecode
+
+    off = AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=4), system_prompt="Be brief.",
+                    spotlight=SpotlightConfig(enabled=False))
+    dense = tiny_engine(seed=1, max_seq_len=2048)
+    service = ChatService(off, _engine=dense)
+    session = service.create()
+    service.attach_text(session.id, "courier.txt", " ".join(f"Day {i}: the courier comes at {i}." for i in range(16)))
+    _, first = finish(service.send(session.id, "When does the courier come?"))
+    assert (first.read_share, first.spotlight) == (1.0, False)
+
+    small = SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16)
+    on = service.reconfigured(off.with_(spotlight=small))
+    engine = on.engine
+    assert (engine.model, engine.tokenizer, type(engine.policy), engine.policy.config) == (
+        dense.model, dense.tokenizer, SpotlightDecode, small)  # the loaded model is kept, the policy swapped
+    assert type(dense.policy) is DenseDecode  # the old engine is untouched (a running reply keeps it)
+    assert [w.split(":")[0] for w in on.warnings()] == ["no trained Spotlight encoders for this model at 64 bits"]
+    _, second = finish(on.send(session.id, "And on Sunday?"))
+    assert (second.cached_tokens, second.restored_tokens) == (0, 0)  # dense spans carry no codes: recomputed
+    assert any("other Spotlight encoders" in notice for notice in second.notices)
+    assert second.spotlight and second.read_share < 1.0
+
+    wider = on.reconfigured(on.config.with_(spotlight=replace(small, ratio=0.25)))
+    assert wider.engine.policy.selector.encoders is engine.policy.selector.encoders  # same codes, new budget
+    before = rendered(wider, session.id)
+    _, third = finish(wider.send(session.id, "Why?"))
+    assert (third.cached_tokens, third.restored_tokens) == (len(before), len(before))  # Spotlight spans reused
+    assert second.read_share < third.read_share < 1.0
+
+    back = wider.reconfigured(off)
+    assert type(back.engine.policy) is DenseDecode and back.engine.model is dense.model
+    _, fourth = finish(back.send(session.id, "Thanks"))
+    assert 0 < fourth.restored_tokens < fourth.cached_tokens + fourth.prefill_tokens  # the dense spans of turn 1
+    assert (fourth.read_share, fourth.spotlight) == (1.0, False)
+    back.close()
+
+
+def test_a_spotlight_setting_that_cannot_be_set_up_keeps_the_service(tmp_path):
+    config = AppConfig(home=tmp_path, spotlight=SpotlightConfig(enabled=False))
+    broken = replace_engine_config(tiny_engine(seed=1), encoder_path=str(tmp_path / "missing.safetensors"))
+    service = ChatService(config, _engine=broken)
+    with pytest.raises(ModelUnavailable, match="Spotlight could not be set up"):
+        service.reconfigured(config.with_(spotlight=SpotlightConfig(bits=64)))
+    assert service.engine is broken and service.create().title == "New chat"  # still open and usable
+    service.close()
+
+
+def replace_engine_config(engine, **changes):
+    from dataclasses import replace
+
+    return replace(engine, config=replace(engine.config, **changes))
+
+
+def test_warm_up_runs_the_spotlight_sparse_path_once_without_touching_the_policy():
+    from chat.service import warm_up
+
+    engine = tiny_engine(seed=1, spotlight=True)
+    selector, calls = engine.policy.selector, []
+    real = selector.select
+
+    def spy(layer, q, cache, n, *args):
+        calls.append((layer, n))
+        return real(layer, q, cache, n, *args)
+
+    selector.select = spy
+    warm_up(engine)
+    n = len(engine.encode("Warm up."))
+    assert calls == [(0, n + 1), (1, n + 1), (0, n + 2), (1, n + 2)]  # both layers sparse, both decode steps
+    assert engine.policy.record is None  # the engine's own policy is left as it was

@@ -97,6 +97,19 @@ def test_codes_absent_or_empty(tmp_path):
     assert span.key_codes.shape == (L, HKV, 0, T)
 
 
+def test_code_summary_round_trips_in_an_aligned_file(tmp_path):
+    """Issue #6 part 3: a span carries its codes' summary for two-level retrieval."""
+    tensors = make_tensors()
+    tensors.code_summary = np.arange(L * HKV * 64 * W, dtype=np.int32).reshape(L, HKV, 64 * W)
+    written = write(tmp_path, tensors)
+    span = read(tmp_path, written)
+    np.testing.assert_array_equal(span.code_summary, tensors.code_summary)
+    np.testing.assert_array_equal(span.key_codes, tensors.key_codes)
+    assert all(array.ctypes.data % 8 == 0 for array in (span.key_codes, span.code_summary, span.token_ids, span.k))
+    assert torch.equal(span.to_torch().code_summary, torch.from_numpy(tensors.code_summary))
+    assert read(tmp_path, write(tmp_path, make_tensors(), "b.safetensors")).code_summary is None
+
+
 def test_views_are_copy_on_write(tmp_path):
     tensors = make_tensors()
     written = write(tmp_path, tensors)
@@ -173,6 +186,9 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
         (dict(token_ids=np.arange(T - 1)), "token_ids must be"),
         (dict(key_codes=np.zeros((L, HKV, W, T), np.int64)), "key_codes must be"),
         (dict(key_codes=np.zeros((L, HKV, W, T + 1), np.uint64)), "key_codes must be"),
+        (dict(code_summary=np.zeros((L, HKV, 64 * W), np.int64)), "code_summary must be"),
+        (dict(code_summary=np.zeros((L, HKV, 64), np.int32)), "code_summary must be"),
+        (dict(key_codes=None, code_summary=np.zeros((L, HKV, 64 * W), np.int32)), "code_summary must be"),
     ],
 )
 def test_prepare_rejects_bad_shapes(change, message):

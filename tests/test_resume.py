@@ -12,16 +12,20 @@ data directory. Logit tolerances, stated once:
   - a span recomputed after damage or eviction: <= 1e-5 (tiny model).
 """
 import os
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+from chat.documents import segment_ends
 from chat.render import Renderer
 from chat.service import ChatService
 from chat.testing import tiny_engine
 from memory import verify
 from spotlight.config import AppConfig, SamplingConfig, StoreConfig
 from spotlight.generate import prefill
+from spotlight.twolevel import code_summary
 
 DOCUMENT = "The meeting is on Tuesday at 3 pm in room 12. Bring the budget report. " * 5
 
@@ -220,6 +224,92 @@ def test_the_same_document_is_prefilled_once_across_conversations(tiny, tmp_path
     c, (third,) = chat(restarted, "Bring what?")
     assert (third.cached_tokens, third.restored_tokens) == (prefix_len, prefix_len)
     restarted.close()
+
+
+# ----------------------------------------------------------------------------- segments (issue #6, parts 3-4)
+
+
+PARAGRAPHS = [" ".join(f"Paragraph {i} sentence {j} tells about topic {i * 7 + j}." for j in range(8))
+              for i in range(10)]
+LONG_DOCUMENT = "\n\n".join(PARAGRAPHS)  # ~4,500 bytes: a segment or two per paragraph (byte tokenizer)
+
+
+def two_level(engine):
+    """The engine with two-level selection from the first token on (SpotlightConfig.two_level_from)."""
+    engine.policy.config = replace(engine.policy.config, two_level_from=0)
+    return engine
+
+
+def table(context):
+    """The cache's segments with every layer's summaries brought up to date: (boundaries, ones (L, Hkv, S, B))."""
+    segments, cache = context.cache.segments, context.cache
+    for layer in range(cache.args.n_layers):
+        segments.sync(layer, cache.codes[layer], cache.length)
+    return list(zip(segments.starts.tolist(), segments.ends.tolist())), segments.ones[:, :, : len(segments)].copy()
+
+
+def test_each_document_segment_is_a_span_and_the_cache_segments_survive_a_restart(tmp_path):
+    engine = tiny_engine(seed=5, spotlight=True)
+    first = make(tmp_path, engine)
+    session_id, _ = chat(first, "Which topic?", document=LONG_DOCUMENT)
+    conv = conversation(first, session_id)
+    full = Renderer(engine).full(conv)
+    prefix_len = Renderer(engine).prefix_len(conv, full)
+    ends = segment_ends(engine, [LONG_DOCUMENT], full[:prefix_len])
+    chain = [(span.start_pos, span.end_pos)
+             for span in first.store.session_chain(session_id, **_fps(first, session_id))]
+    edges = [0, *ends[:-1], prefix_len]
+    assert len(ends) > 5
+    assert chain[: len(ends)] == list(zip(edges, edges[1:]))  # one prefix span per document segment
+    assert chain[len(ends):] == [(prefix_len, chain[len(ends)][1]), (chain[len(ends)][1], len(full))]  # 2 turns
+    fresh = first._pool.get(session_id)
+    fresh_segments, fresh_ones = table(fresh)
+    assert fresh_segments == chain
+    codes = fresh.cache.codes  # (L, Hkv, W, Ncap)
+    at_once = np.stack([code_summary(np.ascontiguousarray(codes[..., a:b])) for a, b in chain], axis=2)
+    np.testing.assert_array_equal(fresh_ones, at_once)  # (L, Hkv, S, B)
+    first.close()
+
+    second = make(tmp_path, engine)
+    assert second.resume(session_id).restored_tokens == len(full)
+    restored = second._pool.get(session_id)
+    assert restored.cache.segments.summarized.tolist() == [len(full)] * 2  # summaries read, not counted
+    restored_segments, restored_ones = table(restored)
+    assert restored_segments == fresh_segments
+    np.testing.assert_array_equal(restored_ones, fresh_ones)
+    second.close()
+
+
+def test_two_level_decode_answers_the_same_warm_or_restored_and_honours_the_threshold(tmp_path):
+    engine = two_level(tiny_engine(seed=5, spotlight=True))
+    warm = make(tmp_path / "warm", engine, max_new_tokens=12)
+    session_id, _ = chat(warm, document=LONG_DOCUMENT)
+    warm.resume(session_id)  # ingest: the document is prefilled and stored, its segments registered
+    before = dict(engine.policy.selections)
+    warm_turn = finish(warm.send(session_id, "Which topic?"))
+    assert engine.policy.selections["flat"] == before["flat"]  # every sparse step picked segments first
+    assert engine.policy.selections["two_level"] - before["two_level"] >= warm_turn.decode_tokens > 1
+    warm.close()
+
+    cold = make(tmp_path / "cold", engine, max_new_tokens=12)
+    other, _ = chat(cold, document=LONG_DOCUMENT)
+    cold.resume(other)
+    cold.close()
+    restored = make(tmp_path / "cold", engine, max_new_tokens=12)
+    before = dict(engine.policy.selections)
+    assert finish(restored.send(other, "Which topic?")).text == warm_turn.text
+    assert engine.policy.selections["flat"] == before["flat"]
+    restored.close()
+
+    engine.policy.config = replace(engine.policy.config, two_level_from=10**9)  # the default is 65536
+    before = dict(engine.policy.selections)
+    below = make(tmp_path / "below", engine, max_new_tokens=12)
+    third, _ = chat(below, document=LONG_DOCUMENT)
+    below.resume(third)
+    turn = finish(below.send(third, "Which topic?"))
+    assert engine.policy.selections["two_level"] == before["two_level"]
+    assert engine.policy.selections["flat"] - before["flat"] >= turn.decode_tokens > 1
+    below.close()
 
 
 def test_kill_9_during_ingestion_and_generation_loses_nothing(tmp_path):

@@ -1,4 +1,4 @@
-"""Two-level retrieval: segment summaries, segment scores, ranged selection, and the selector. Issue "Documents", part 4."""
+"""Two-level retrieval: segment summaries and scores, ranged selection, the decode path. Issue #6, parts 3-4."""
 import numpy as np
 import pytest
 import torch
@@ -10,7 +10,7 @@ from spotlight.attention import CodeSelector, SpotlightDecode, StepRecord
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.hashing import EncoderSpec, Encoders
-from spotlight.twolevel import SegmentTable, TwoLevelConfig, TwoLevelSelector
+from spotlight.twolevel import SegmentTable, TwoLevelConfig, code_summary
 
 SINKS, WINDOW = 4, 64
 
@@ -188,16 +188,18 @@ def test_segments_must_be_ascending_and_disjoint():
 
 
 PROMPT = [(i * 37) % 211 for i in range(600)]
+FLAT, TWO_LEVEL = 10**9, 0  # SpotlightConfig.two_level_from: never, always
 
 
-def run(model, selector, segments, steps=3):
-    """Prefill PROMPT, register segments, decode `steps` tokens; (logits, selections per step)."""
-    config = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, ratio=0.05, k_min=8, bits=128)
+def run(model, selector, segments, steps=3, two_level_from=TWO_LEVEL):
+    """Prefill PROMPT, register segments, decode `steps` tokens through SpotlightDecode:
+    (logits, selections per step, which path each step's layers took)."""
+    config = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, ratio=0.05, k_min=8, bits=128,
+                             two_level_from=two_level_from)
     policy = SpotlightDecode(config, selector)
     policy.record = StepRecord()
     cache = KVCache(model.args, 64, code_words=2)
-    cache.segments = SegmentTable()
-    logits, selections = [], []
+    logits, selections, paths = [], [], []
     with torch.inference_mode():
         model(torch.tensor(PROMPT), cache, policy)
         for a, b in segments:
@@ -205,27 +207,33 @@ def run(model, selector, segments, steps=3):
         for token in [5, 17, 99][:steps]:
             logits.append(model(torch.tensor([token]), cache, policy))
             selections.append({layer: idx.copy() for layer, idx in policy.record.selected.items()})
-    return torch.stack(logits), selections
+            paths.append(dict(policy.record.two_level))
+    return torch.stack(logits), selections, paths
 
 
-def test_selector_with_every_segment_chosen_equals_the_flat_selector():
+def encoders_and_model():
     _, model = tiny_pair("llama", seed=0, max_position_embeddings=4096)
-    encoders = Encoders(EncoderSpec.for_model(model.args, 128), seed=0)
+    return Encoders(EncoderSpec.for_model(model.args, 128), seed=0), model
+
+
+def test_two_level_with_every_segment_chosen_equals_the_flat_scan_through_the_decode_path():
+    encoders, model = encoders_and_model()
     segments = [(20, 200), (200, 410), (450, 560)]
-    flat_logits, flat_sel = run(model, CodeSelector(encoders), segments)
-    two = TwoLevelSelector(encoders, TwoLevelConfig(min_tokens=0, multiple=1000.0))
-    logits, sel = run(model, two, segments)
+    flat_logits, flat_sel, flat_paths = run(model, CodeSelector(encoders), segments, two_level_from=FLAT)
+    every = CodeSelector(encoders, TwoLevelConfig(multiple=1000.0))
+    logits, sel, paths = run(model, every, segments)
+    assert flat_paths == [{0: False, 1: False}] * 3 and paths == [{0: True, 1: True}] * 3
     torch.testing.assert_close(logits, flat_logits, rtol=0, atol=0)
     for a, b in zip(sel, flat_sel):
         assert a.keys() == b.keys() and all(np.array_equal(a[layer], b[layer]) for layer in a)
 
 
-def test_selector_keeps_the_budget_and_scans_only_chosen_segments():
-    _, model = tiny_pair("llama", seed=0, max_position_embeddings=4096)
-    encoders = Encoders(EncoderSpec.for_model(model.args, 128), seed=0)
+def test_two_level_keeps_the_budget_and_scans_only_chosen_segments():
+    encoders, model = encoders_and_model()
     segments = [(20 + 50 * i, 70 + 50 * i) for i in range(10)]  # [20, 520) in 10 segments; tail 520..
-    _, flat_sel = run(model, CodeSelector(encoders), segments, steps=1)
-    _, sel = run(model, TwoLevelSelector(encoders, TwoLevelConfig(min_tokens=0, multiple=1.0)), segments, steps=1)
+    _, flat_sel, _ = run(model, CodeSelector(encoders), segments, steps=1, two_level_from=FLAT)
+    _, sel, paths = run(model, CodeSelector(encoders, TwoLevelConfig(multiple=1.0)), segments, steps=1)
+    assert paths == [{0: True, 1: True}]
     n = len(PROMPT) + 1
     for layer, idx in sel[0].items():
         assert idx.shape == flat_sel[0][layer].shape, "same K as the flat selection"
@@ -236,15 +244,69 @@ def test_selector_keeps_the_budget_and_scans_only_chosen_segments():
             assert len(segments_used) <= -(-retrieved // 50) + 1, "only the segments the summary picked"
 
 
-def test_selector_below_threshold_or_without_segments_is_flat():
-    _, model = tiny_pair("llama", seed=0, max_position_embeddings=4096)
-    encoders = Encoders(EncoderSpec.for_model(model.args, 128), seed=0)
+def test_below_the_threshold_or_without_segments_the_flat_scan_runs():
+    encoders, model = encoders_and_model()
     segments = [(20 + 50 * i, 70 + 50 * i) for i in range(10)]
-    flat_logits, _ = run(model, CodeSelector(encoders), segments)
-    logits, _ = run(model, TwoLevelSelector(encoders, TwoLevelConfig(min_tokens=10**6, multiple=1.0)), segments)
+    flat_logits, _, _ = run(model, CodeSelector(encoders), segments, two_level_from=FLAT)
+    selector = CodeSelector(encoders, TwoLevelConfig(multiple=1.0))
+    n = len(PROMPT) + 1  # the first decode step's context
+    logits, _, paths = run(model, selector, segments, two_level_from=n + 1)  # reached at the second step
+    assert paths == [{0: False, 1: False}, {0: True, 1: True}, {0: True, 1: True}]
+    torch.testing.assert_close(logits[0], flat_logits[0], rtol=0, atol=0)
+    logits, _, paths = run(model, selector, [])
+    assert paths == [{0: False, 1: False}] * 3
     torch.testing.assert_close(logits, flat_logits, rtol=0, atol=0)
-    logits, _ = run(model, TwoLevelSelector(encoders, TwoLevelConfig(min_tokens=0, multiple=1.0)), [])
-    torch.testing.assert_close(logits, flat_logits, rtol=0, atol=0)
+
+
+def test_summaries_kept_through_decode_equal_summaries_computed_at_once():
+    """The cache's table, synced layer by layer as prefill and decode steps append keys, equals
+    per-segment bit counts computed from scratch; the last segment grows with the decoded tokens."""
+    encoders, model = encoders_and_model()
+    selector = CodeSelector(encoders, TwoLevelConfig(multiple=1.0))
+    config = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, k_min=8, bits=128, two_level_from=0)
+    policy = SpotlightDecode(config, selector)
+    cache = KVCache(model.args, 64, code_words=2)
+    with torch.inference_mode():
+        model(torch.tensor(PROMPT[:300]), cache, policy)
+        cache.segments.add(0, 150)
+        model(torch.tensor(PROMPT[300:]), cache, policy)
+        cache.segments.add(150, 580)
+        cache.segments.add(580, 700)  # runs ahead of the tokens: counted as they arrive
+        for token in range(120):
+            model(torch.tensor([token]), cache, policy)
+    table = cache.segments
+    assert table.summarized.tolist() == [cache.length] * 2  # each layer synced at its last step
+    np.testing.assert_array_equal(table.ones[:, :, :3], at_once(table, cache.codes, cache.length))
+
+
+def test_truncating_the_cache_truncates_its_segments():
+    encoders, model = encoders_and_model()
+    cache = KVCache(model.args, 64, code_words=2)
+    policy = SpotlightDecode(SpotlightConfig(bits=128), CodeSelector(encoders))
+    with torch.inference_mode():
+        model(torch.tensor(PROMPT), cache, policy)
+    for a, b in [(0, 100), (100, 300), (300, 500)]:
+        cache.segments.add(a, b)
+    cache.truncate(200)
+    assert (cache.segments.starts.tolist(), cache.segments.ends.tolist()) == ([0, 100], [100, 200])
+    cache.segments.cover(100, 200)  # already a segment: kept
+    cache.segments.cover(150, 180)  # an older layout of these tokens: replaced
+    assert (cache.segments.starts.tolist(), cache.segments.ends.tolist()) == ([0, 100, 150], [100, 150, 180])
+
+
+def test_a_known_summary_is_taken_as_is_and_matches_the_counted_one():
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 2**64, size=(2, 3, 2, 900), dtype=np.uint64)  # (L, Hkv, W, N)
+    loaded, counted = SegmentTable(), SegmentTable()
+    for table in (loaded, counted):
+        table.bind(layers=2, kv_heads=3, words=2)
+    for a, b in [(0, 400), (400, 900)]:
+        loaded.add(a, b, code_summary(np.ascontiguousarray(codes[..., a:b])))  # as restore does
+        counted.add(a, b)
+    assert loaded.summarized.tolist() == [900, 900]  # nothing left to count
+    for layer in range(2):
+        counted.sync(layer, codes[layer], 900)
+    np.testing.assert_array_equal(loaded.ones[:, :, :2], counted.ones[:, :, :2])
 
 
 @pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
