@@ -121,8 +121,9 @@ def build_ui(service: ChatService) -> gr.Blocks:
         except ChatError:
             return None
 
-    def view(session_id):
-        """Values for VIEW: the list, and the open conversation (None: a new, empty one)."""
+    def view(session_id, near: str | None = None):
+        """Values for VIEW: the list, and the open conversation (None: a new, empty one).
+        `near`: the parent of a place whose version was just switched (keeps it selected)."""
         listed = service.list_sessions()
         sessions = gr.Radio(choices=ui.session_choices(listed), value=session_id, info=None if listed else ui.NO_SESSIONS)
         try:
@@ -133,10 +134,12 @@ def build_ui(service: ChatService) -> gr.Blocks:
         size = window()
         use = ui.context_use(size, docs, history, service.config.sampling.max_new_tokens,
                              lambda text: len(service.engine.encode(text)), info.system_prompt if info else "") if size else None
+        choices, chosen = ui.version_choices(history, near)
         return (session_id, sessions, f"### {info.title if info else 'New conversation'}",
                 ui.chat_messages(history)[0], ui.chips_html(docs), ui.gauge_html(use),
                 ui.turn_line(ui.last_stats(history), service.config.spotlight, size is not None
-                             and ui.decodes_densely(service.engine)))
+                             and ui.decodes_densely(service.engine)),
+                gr.Dropdown(choices=choices, value=chosen, visible=bool(choices)))
 
     def stream(session_id, plan, restore: str | None = None):
         """STREAM values while a reply runs, then the stored conversation. `plan(history)`
@@ -147,11 +150,11 @@ def build_ui(service: ChatService) -> gr.Blocks:
         box = skip if restore is None else ""
         try:
             shown, turns = plan(service.history(session_id))
-            yield session_id, skip, skip, shown + [ui.pending_message()], skip, skip, "reading the conversation…", box
+            yield session_id, skip, skip, shown + [ui.pending_message()], skip, skip, "reading the conversation…", skip, box
             turn = None
             for turn in throttled(turns, STREAM_EVERY):
                 yield (session_id, skip, skip, shown + [ui.assistant_message(turn.text)], skip, skip,
-                       ui.live_line(turn), box)
+                       ui.live_line(turn), skip, box)
         except ChatError as error:  # the view is reloaded: no half-shown message stays
             values = list(view(session_id)) + [skip if restore is None else restore]
             values[VIEW_STATUS] = warn(error)
@@ -258,6 +261,13 @@ def build_ui(service: ChatService) -> gr.Blocks:
         text = service.undo(session_id)
         return *view(session_id), text
 
+    def switch_version(session_id, message_id, step: int):
+        if not (session_id and message_id):
+            raise ValueError("Nothing to switch: edit or regenerate a message first, then pick it here.")
+        place = ui.parent_of(service.history(session_id), message_id)
+        service.switch_version(session_id, message_id, step)
+        return view(session_id, place)
+
     def stop(session_id):
         if session_id:
             service.stop(session_id)
@@ -316,6 +326,11 @@ def build_ui(service: ChatService) -> gr.Blocks:
             with gr.Row():
                 regen_btn = gr.Button("Regenerate", size="sm", elem_id="regen-btn")
                 undo_btn = gr.Button("Undo", size="sm", elem_id="undo-btn")
+            with gr.Row(equal_height=True, elem_id="versions-row"):
+                versions = gr.Dropdown(choices=[], label="Versions (edits and regenerations are kept)",
+                                       visible=False, scale=4, elem_id="versions")
+                older_btn = gr.Button("◀ Older", size="sm", scale=0, min_width=90, elem_id="older-btn")
+                newer_btn = gr.Button("Newer ▶", size="sm", scale=0, min_width=90, elem_id="newer-btn")
             edit_id = gr.Textbox(visible=False)  # API path of edit: (message id, new text)
             edit_text = gr.Textbox(visible=False)
             edit_btn = gr.Button(visible=False)
@@ -336,7 +351,7 @@ def build_ui(service: ChatService) -> gr.Blocks:
                                         "new cache: the note after applying says what is recomputed.",
                                         elem_id="settings-note")
 
-        VIEW = [session, sessions, title, chatbot, chips, gauge, stats]
+        VIEW = [session, sessions, title, chatbot, chips, gauge, stats, versions]
         STREAM = VIEW + [msg]
         streaming = {**STREAMING, "show_progress_on": [stats]}  # queue position and timer, under the chat
         events = [  # (triggers, handler, inputs, outputs, options)
@@ -362,6 +377,10 @@ def build_ui(service: ChatService) -> gr.Blocks:
             ([edit_btn.click], edit, [session, edit_id, edit_text], STREAM, {**streaming, "api_name": "edit"}),
             ([chatbot.edit], edit_in_chat, [session, chatbot], STREAM, {**streaming, "api_visibility": "private"}),
             ([undo_btn.click, chatbot.undo], undo, [session], STREAM, {**ENGINE, "api_name": "undo"}),
+            ([older_btn.click], lambda s, m: switch_version(s, m, -1), [session, versions], VIEW,
+             {**ENGINE, "api_name": "older_version"}),
+            ([newer_btn.click], lambda s, m: switch_version(s, m, +1), [session, versions], VIEW,
+             {**ENGINE, "api_name": "newer_version"}),
             ([stop_btn.click], stop, [session], [], {"queue": False, "api_name": "stop"}),
             ([apply_btn.click], apply_settings, settings, [settings_note],
              {**ENGINE, "api_name": "apply_settings", "show_progress": "minimal"}),

@@ -260,6 +260,17 @@ class ChatService:
                     self.store.set_message_metadata(record.id, {"undone": False})
         return self.history(session_id)
 
+    def switch_version(self, session_id: SessionId, message_id: MessageId, step: int) -> list[ChatMessage]:
+        """Show the alternative `step` places from `message_id` among its siblings (edits and
+        regenerations; -1 = the older one, +1 = the newer one), clamped to the first and last;
+        returns the history. The UI's "< version i of k >" arrows call this."""
+        with translated(session_id):
+            if self.store.get_message(message_id).session_id != session_id:
+                raise MessageNotFound(message_id, session_id)
+            siblings = [record.id for record in self.store.siblings(message_id)]
+        index = min(max(siblings.index(message_id) + step, 0), len(siblings) - 1)
+        return self.switch_branch(session_id, siblings[index])
+
     def stop(self, session_id: str) -> None:
         """Ask the running reply (or resume) of a conversation to stop: it does within one
         decode step or prefill chunk. No-op when nothing runs."""

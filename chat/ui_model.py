@@ -79,6 +79,27 @@ def chat_messages(history: list[ChatMessage]) -> tuple[list[dict], list[str | No
     return messages, ids
 
 
+def version_choices(history: list[ChatMessage], near: str | None = None) -> tuple[list[tuple[str, str]], str | None]:
+    """Dropdown choices (label, message id) for the shown messages that have other versions
+    (edits, regenerations), and the one to select: the message whose parent is `near` (the
+    place just switched), else the last one; (no choices, None) when nothing has versions."""
+    choices, chosen, counts = [], None, {"user": 0, "assistant": 0}
+    for message in history:
+        counts[message.role] = counts.get(message.role, 0) + 1
+        if message.branches > 1:
+            kind = "Question" if message.role == "user" else "Reply"
+            choices.append((f"{kind} {counts[message.role]}: version {message.branch + 1} of {message.branches}",
+                            message.id))
+            if near is not None and message.parent_id == near:
+                chosen = message.id
+    return choices, chosen or (choices[-1][1] if choices else None)
+
+
+def parent_of(history: list[ChatMessage], message_id: str) -> str | None:
+    """The parent id of a shown message (None when it is the first or not shown)."""
+    return next((m.parent_id for m in history if m.id == message_id), None)
+
+
 def without_last_reply(history: list[ChatMessage]) -> list[ChatMessage]:
     """The history above a reply being regenerated."""
     return history[:-1] if history and history[-1].role == "assistant" else history

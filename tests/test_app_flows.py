@@ -54,8 +54,9 @@ def status(outputs) -> str:
     return outputs[STATS] if isinstance(outputs, tuple) else outputs
 
 
-# VIEW outputs as the client returns them (gr.State is hidden): sessions, title, chatbot, chips, gauge, stats
-SESSIONS, TITLE, CHAT, CHIPS, GAUGE, STATS, MSG = range(7)
+# VIEW outputs as the client returns them (gr.State is hidden): sessions, title, chatbot, chips, gauge, stats,
+# versions; streaming events add the message box
+SESSIONS, TITLE, CHAT, CHIPS, GAUGE, STATS, VERSIONS, MSG = range(8)
 
 
 def open_id(outputs) -> str:
@@ -139,6 +140,24 @@ def test_edit_an_earlier_message_branches_and_resubmits(tab):
     assert texts(edited[CHAT]) == [("user", "my better question"), ("assistant", "Echo: my better question")]
     stored = history(tab, open_id(edited))
     assert (stored[0]["branch"], stored[0]["branches"]) == (1, 2)  # the original is kept as a sibling
+
+
+def test_versions_switch_between_an_edit_and_the_original(tab):
+    run(tab, "the original question", api_name="/send")
+    first = history(tab, tab.opened)[0]
+    _, edited = run(tab, first["id"], "the edited question", api_name="/edit")
+    edited_id = history(tab, tab.opened)[0]["id"]
+    assert edited[VERSIONS]["choices"] == [["Question 1: version 2 of 2", edited_id]]
+    assert edited[VERSIONS]["value"] == edited_id and edited[VERSIONS]["visible"] is True
+    older = tab.predict(edited_id, api_name="/older_version")
+    assert texts(older[CHAT]) == [("user", "the original question"), ("assistant", "Echo: the original question")]
+    assert older[VERSIONS]["choices"] == [["Question 1: version 1 of 2", first["id"]]]
+    assert older[VERSIONS]["value"] == first["id"]
+    assert texts(tab.predict(first["id"], api_name="/older_version")[CHAT])[0] == ("user", "the original question")
+    newer = tab.predict(first["id"], api_name="/newer_version")
+    assert texts(newer[CHAT]) == [("user", "the edited question"), ("assistant", "Echo: the edited question")]
+    plain = tab.predict(api_name="/new_session")
+    assert plain[VERSIONS]["choices"] == [] and plain[VERSIONS]["visible"] is False
 
 
 def test_undo_hides_the_last_exchange_and_returns_its_text(tab):

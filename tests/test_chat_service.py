@@ -156,6 +156,21 @@ def test_regenerate_keeps_the_old_reply_and_reuses_the_whole_prompt(service):
         next(service.regenerate(empty.id))
 
 
+def test_switch_version_steps_through_siblings_and_clamps(service):
+    session = service.create()
+    _, first = finish(service.send(session.id, "Tell me a story"))
+    _, second = finish(service.regenerate(session.id))
+    _, third = finish(service.regenerate(session.id))
+    shown = lambda history: (history[-1].id, history[-1].branch, history[-1].branches)  # noqa: E731
+    assert shown(service.switch_version(session.id, third.message_id, -1)) == (second.message_id, 1, 3)
+    assert shown(service.switch_version(session.id, second.message_id, -1)) == (first.message_id, 0, 3)
+    assert shown(service.switch_version(session.id, first.message_id, -1)) == (first.message_id, 0, 3)  # clamped
+    assert shown(service.switch_version(session.id, first.message_id, +2)) == (third.message_id, 2, 3)
+    other = service.create()
+    with pytest.raises(MessageNotFound):
+        service.switch_version(other.id, first.message_id, 1)
+
+
 def test_undo_hides_the_last_exchange_and_branches_from_there(service):
     session = service.create()
     finish(service.send(session.id, "one"))
