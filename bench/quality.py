@@ -160,6 +160,10 @@ def main(argv=None):
     p.add_argument("--k-min", type=int, help="retrieved tokens at least (default: SpotlightConfig)")
     p.add_argument("--dense-layers", help="comma-separated dense layers (default: SpotlightConfig)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; 1 is faster on a busy CPU)")
+    p.add_argument("--methods", help="comma-separated method names for perplexity and needles (default: dense and "
+                                     "the main rivals), e.g. 'dense,Spotlight-128 trained'")
+    p.add_argument("--needle-ratios", help="comma-separated extra budgets at which Spotlight also answers the needles "
+                                           "(a budget sweep in one grid), e.g. 0.05,0.1")
     args = p.parse_args(argv)
     if args.threads:
         import torch
@@ -180,16 +184,31 @@ def main(argv=None):
         plot(summary_rows, methods, PLOT)
         extra.append(f"![recall vs bits and vs budget]({PLOT.name})")
     if "perplexity" in parts:
-        ppl_rows = perplexity_part(engine, costly(methods, spot, args.quick, "perplexity"), sizes, config, spot)
+        ppl_rows = perplexity_part(engine, chosen_methods(costly(methods, spot, args.quick, "perplexity"), args.methods),
+                                   sizes, config, spot)
         rows += ppl_rows
         targets += perplexity_targets(ppl_rows, spot, config)
     if "needle" in parts:
-        needle_rows = needle_part(engine, costly(methods, spot, args.quick, "needle"), sizes, config)
+        chosen = chosen_methods(costly(methods, spot, args.quick, "needle"), args.methods)
+        for ratio in (float(x) for x in (args.needle_ratios or "").split(",") if x.strip()):
+            chosen[f"{spot} @ {ratio:.0%}"] = (methods[spot], replace(config, ratio=ratio))
+        needle_rows = needle_part(engine, chosen, sizes, config)
         rows += needle_rows + needle_summary(needle_rows)
         targets += needle_targets(needle_rows, spot)
     notes = notes_for(engine, trained, config, sizes, time.perf_counter() - started)
     finish("quality", args, rows, targets, title="Retrieval quality (Spotlight vs baselines)", notes=notes,
            extra="\n\n".join(extra))
+
+
+def chosen_methods(methods: dict, names: str | None) -> dict:
+    """`methods` limited to the comma-separated `names` (all of them when None)."""
+    if not names:
+        return methods
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in methods]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {list(methods)}")
+    return {n: methods[n] for n in wanted}
 
 
 def costly(methods, spot, quick: bool, part: str) -> dict:

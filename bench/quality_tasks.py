@@ -113,7 +113,8 @@ def answer(model, engine, base: KVCache, suffix: list[int], method, config, new_
 
 
 def needle_grid(engine, lengths, depths, methods: dict, config, new_tokens: int, log) -> list[dict]:
-    """One row per (length, depth, method): whether the answer holds the magic number."""
+    """One row per (length, depth, method): whether the answer holds the magic number.
+    `methods`: name -> method, or name -> (method, its own SpotlightConfig) for budget sweeps."""
     hay = essay_ids(engine)
     rows = []
     for length in lengths:
@@ -121,7 +122,8 @@ def needle_grid(engine, lengths, depths, methods: dict, config, new_tokens: int,
             prefix, suffix = needle_prompt(engine, hay, length - new_tokens, depth)
             base = prefill(engine.model, prefix, len(prefix) + 1)
             for name, method in methods.items():
-                text = answer(engine.model, engine, base, suffix, method, config, new_tokens)
+                method, own = method if isinstance(method, tuple) else (method, config)
+                text = answer(engine.model, engine, base, suffix, method, own, new_tokens)
                 rows.append({"length": length, "depth": depth, "method": name, "found": ANSWER in text,
                              "answer": text.strip().replace("\n", " ")[:60]})
                 log(f"needle {length} {depth:.1f} {name}: {ANSWER in text} {text.strip()[:60]!r}")
