@@ -14,7 +14,7 @@ from gradio_client import Client, handle_file
 
 from chat.service import ChatService
 from fakes import echo_engine
-from spotlight.config import AppConfig, SamplingConfig
+from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig
 
 REPLY_LIMIT = 200  # max_new_tokens: "/long" replies run this long unless stopped
 
@@ -57,6 +57,7 @@ def status(outputs) -> str:
 # VIEW outputs as the client returns them (gr.State is hidden): sessions, title, chatbot, chips, gauge, stats,
 # versions; streaming events add the message box
 SESSIONS, TITLE, CHAT, CHIPS, GAUGE, STATS, VERSIONS, MSG = range(8)
+RATIO = SpotlightConfig().ratio  # the settings form's default budget
 
 
 def open_id(outputs) -> str:
@@ -289,7 +290,7 @@ def test_a_conversation_deleted_in_another_tab(server, tab):
 
 def test_settings_bad_model_path_keeps_the_current_model(server, tab):
     current = server[1]
-    values = ("/nonexistent/model.gguf", 0.0, 1.0, REPLY_LIMIT, 1.0, "Be brief.", True, 0.02)
+    values = ("/nonexistent/model.gguf", 0.0, 1.0, REPLY_LIMIT, 1.0, "Be brief.", True, RATIO)
     note = tab.predict(*values, api_name="/apply_settings")
     assert note.startswith("⚠ the model could not be loaded: model path '/nonexistent/model.gguf' does not exist")
     _, final = run(tab, "still working?", api_name="/send")
@@ -304,9 +305,9 @@ def test_settings_apply_to_the_next_reply_and_new_conversations(tmp_path):
     demo = app.serve(service, port=free_port(), prevent_thread_lock=True, quiet=True)
     try:
         client = Client(demo.local_url, verbose=False)
-        unchanged = client.predict("", 0.0, 1.0, 256, 1.1, "Be brief.", True, 0.02, api_name="/apply_settings")
+        unchanged = client.predict("", 0.0, 1.0, 256, 1.1, "Be brief.", True, RATIO, api_name="/apply_settings")
         assert unchanged == "Nothing changed."
-        note = client.predict("", 0.0, 1.0, 3, 1.1, "Be thorough.", True, 0.02, api_name="/apply_settings")
+        note = client.predict("", 0.0, 1.0, 3, 1.1, "Be thorough.", True, RATIO, api_name="/apply_settings")
         assert note.startswith("Settings applied.")
         assert "**System prompt changed:**" in note and "**Sampling changed:**" in note and "Model" not in note
         _, final = run(client, "/long reply please", api_name="/send")
