@@ -235,7 +235,8 @@ def _recompute(engine, ids: list[int]) -> float:
 def main(argv=None) -> int:
     p = parser("resume", "time to first token: resuming a stored conversation vs recomputing it")
     p.add_argument("--spotlight", action="store_true",
-                   help="Spotlight decode, with key codes in the spans (default: dense, as the app)")
+                   help="Spotlight decode with key codes in the spans, as the app decodes by default "
+                        "(default here: dense, the reference path)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every measurement (default: torch's). 1 avoids OpenMP stalls "
                         "when other jobs share the cores")
@@ -253,8 +254,8 @@ def main(argv=None) -> int:
         Target(f"resume speedup at 32K tokens{estimated} (x)", synthetic["speedup"], 100),
         Target("resume TTFT at 32K tokens (s)", synthetic["resume_ttft_s"], 1.0, higher_is_better=False),
     ]
-    policy = ("Spotlight (untrained encoders unless a checkpoint ships; spans carry key codes)" if args.spotlight
-              else "dense (as the app; spans carry no key codes)")
+    policy = ("Spotlight (the shipped encoders; spans carry key codes)" if args.spotlight
+              else "dense (the reference path; the app decodes with Spotlight by default; spans carry no key codes)")
     notes = (
         f"SmolLM2-135M fp32 on CPU, {policy} decode, {args.threads or torch.get_num_threads()} torch "
         "thread(s) for every measurement. TTFT = time to the first streamed token (the "
