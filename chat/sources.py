@@ -31,6 +31,7 @@ import torch
 from segmenter import Document, Segment, segment
 from segmenter.segment import sentences
 
+from .documents import _tokens
 from .records import Source
 
 TOP_SOURCES = 3
@@ -124,11 +125,12 @@ _span_cache: OrderedDict[str, list[_Span]] = OrderedDict()  # rendered system te
 def _spans(engine, system: str, documents, base: int) -> list[_Span]:
     """Token ranges (relative to the prompt) of every segment of every document."""
     spans = []
+    _, tokens_before = _tokens(engine, system)  # one tokeniser pass with offsets, not two per segment
     for match in documents:
         offset = match.start("text")
         for piece in document_segments(engine, match["name"], match["text"]):
-            start = base + len(engine.encode(system[: offset + piece.char_start]))
-            end = base + len(engine.encode(system[: offset + piece.char_end]))
+            start = base + tokens_before(offset + piece.char_start)
+            end = base + tokens_before(offset + piece.char_end)
             if end > start:
                 spans.append(_Span(match["name"], piece, start, end, offset))
     return spans
