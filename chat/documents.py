@@ -110,7 +110,7 @@ def segment_ends(engine, texts: Sequence[str], prefix_ids: Sequence[int]) -> lis
     ends: list[int] = []
     prefix_ids, position = list(prefix_ids), 0
     for text in texts:
-        ids, tokens_before = _tokens(engine, text)
+        ids, tokens_before = token_offsets(engine, text)
         at = _find(ids[1:-1], prefix_ids, position + 1)
         if at is None:
             continue
@@ -124,7 +124,7 @@ def segment_ends(engine, texts: Sequence[str], prefix_ids: Sequence[int]) -> lis
     return ends
 
 
-def _tokens(engine, text: str):
+def token_offsets(engine, text: str):
     """(token ids of `text`, char position -> how many of those tokens start before it)."""
     tokenizer = engine.tokenizer
     if getattr(tokenizer, "is_fast", False):  # Hugging Face fast tokenizers give offsets in one pass

@@ -31,7 +31,7 @@ import torch
 from segmenter import Document, Segment, segment
 from segmenter.segment import sentences
 
-from .documents import _tokens
+from .documents import token_offsets
 from .records import Source
 
 TOP_SOURCES = 3
@@ -125,7 +125,7 @@ _span_cache: OrderedDict[str, list[_Span]] = OrderedDict()  # rendered system te
 def _spans(engine, system: str, documents, base: int) -> list[_Span]:
     """Token ranges (relative to the prompt) of every segment of every document."""
     spans = []
-    _, tokens_before = _tokens(engine, system)  # one tokeniser pass with offsets, not two per segment
+    _, tokens_before = token_offsets(engine, system)  # one tokeniser pass with offsets, not two per segment
     for match in documents:
         offset = match.start("text")
         for piece in document_segments(engine, match["name"], match["text"]):

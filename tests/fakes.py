@@ -82,3 +82,12 @@ def echo_engine(delay: float = 0.0, *, seed: int = 0, max_seq_len: int = 8192) -
     """A fresh EchoEngine over the tiny random model of `chat.testing`."""
     base = tiny_engine(seed=seed, max_seq_len=max_seq_len)
     return EchoEngine(base.config, base.args, base.model, base.tokenizer, base.source, base.policy, delay=delay)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a test server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -10,7 +10,7 @@ from app import history_from_gradio, text_of, throttled
 from chat import documents, ui_model as ui
 from chat.records import ChatMessage, DocumentInfo, Turn
 from chat.service import ChatService
-from fakes import echo_engine
+from fakes import echo_engine, free_port
 from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig
 
 # ----------------------------------------------------------------------------- adapters
@@ -166,14 +166,6 @@ def app_url(engine, tmp_path_factory):
     yield demo.local_url
     demo.close()
     service.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.model

@@ -13,7 +13,7 @@ import pytest
 from gradio_client import Client, handle_file
 
 from chat.service import ChatService
-from fakes import echo_engine
+from fakes import echo_engine, free_port
 from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig
 
 REPLY_LIMIT = 200  # max_new_tokens: "/long" replies run this long unless stopped
@@ -27,18 +27,10 @@ def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("app-flows")
     config = AppConfig(home=home, sampling=SamplingConfig(max_new_tokens=REPLY_LIMIT), system_prompt="Be brief.")
     service = ChatService(config, _engine=echo_engine(delay=0.02))
-    demo = app.serve(service, port=0 or free_port(), prevent_thread_lock=True, quiet=True)
+    demo = app.serve(service, port=free_port(), prevent_thread_lock=True, quiet=True)
     yield demo.local_url, service
     demo.close()
     service.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -45,11 +44,7 @@ if not shutil.which(CHROMIUM):
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fakes import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
