@@ -28,10 +28,13 @@ from .cpu import INF_BITS, WORD_BITS, selection_layout, words_for
 SOURCE = Path(__file__).with_name("retrieval.cu")
 OPTIONS = ("-std=c++17",)
 PACK_TYPES = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}  # float bytes -> bits type
-NAME_EXPRESSIONS = tuple(f"pack_rows<{t}>" for t in PACK_TYPES.values())
+KERNELS = ("hamming_scores", "score_histogram", "select_count", "select_write", "range_scores")  # extern "C"
+# Every kernel is named to NVRTC (the templates must be; CuPy then looks each name up in one mapping).
+NAME_EXPRESSIONS = tuple(f"pack_rows<{t}>" for t in PACK_TYPES.values()) + KERNELS
 THREADS = 256  # threads per block of every kernel (a multiple of 32)
 SEGMENT = 4096  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
-MAX_BLOCKS = 4096  # token blocks per head of the grid-stride scoring kernels
+BLOCKS_PER_SM = 8  # grid of the grid-stride scoring kernels: all heads' blocks resident at once (2048 threads
+                   # per SM); fewer blocks flush fewer private histograms into the global one (L2 atomics)
 MAX_BINS = 12288  # histogram bins (int32) in the 48 KiB of shared memory a launch gets without opt-in
 RANGE_SPLIT = 8  # blocks per range in range_scores (a range may be one 512-token segment or the whole middle)
 
@@ -119,6 +122,8 @@ def _result(out, shape: tuple[int, ...], dtype):
     if out is None:
         return _cupy().empty(shape, dtype)
     a = _contiguous(_as_cupy(out, "out"), "out")
+    if dtype == np.uint64 and a.dtype == np.int64:  # codes buffers may be int64 (torch): the same bits
+        a = a.view(np.uint64)
     if a.shape != shape or a.dtype != dtype:
         raise ValueError(f"out must be {np.dtype(dtype)} {shape}, got {a.dtype} {a.shape}")
     return a
@@ -138,8 +143,21 @@ def _float_bits(x):
     return a.view(f"uint{8 * size}"), PACK_TYPES[size], INF_BITS[a.dtype.name]
 
 
+@functools.cache
+def _resident_blocks() -> int:
+    """Blocks of THREADS threads the device runs at once: BLOCKS_PER_SM per multiprocessor."""
+    return BLOCKS_PER_SM * _cupy().cuda.Device().attributes["MultiProcessorCount"]
+
+
 def _grid(count: int, heads: int = 1) -> tuple[int, int]:
-    return (max(1, min(MAX_BLOCKS, -(-count // THREADS))), heads)
+    """(token blocks per head, heads): one wave of resident blocks over all heads, fewer for short rows."""
+    return (max(1, min(_resident_blocks() // heads, -(-count // THREADS))), heads)
+
+
+def _zero(a) -> None:
+    """Zero a device array with one async memset on the current stream (no elementwise kernel launch)."""
+    cp = _cupy()
+    cp.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, cp.cuda.get_current_stream().ptr)
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -223,7 +241,7 @@ def select(scores_, k: int, sinks: int, window: int, out=None, scratch=None):
         raise ValueError(f"scores must be below {MAX_BINS} on CUDA (codes give at most G * W * 64), got {bins - 1}")
     buf = scratch if scratch is not None and scratch.fits(hkv, bins, layout.middle) else \
         _SelectBuffers.make(hkv, layout.middle, bins)
-    buf.hist.fill(0)
+    _zero(buf.hist)
     bins = buf.hist.shape[1]
     _kernel("score_histogram")(
         _grid(layout.middle, hkv), (THREADS,),
@@ -246,7 +264,7 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
     bins = group * words * WORD_BITS + 1
     if buf.scores.shape != (hkv, kc.shape[2]) or buf.hist.shape != (hkv, bins):
         raise ValueError("scratch was made for other q_codes / k_codes shapes: call make_scratch again")
-    buf.hist.fill(0)
+    _zero(buf.hist)
     _launch_scores(q, kc, n, buf.scores, kc.shape[2], group, words, buf.hist, bins,
                    layout.sinks_end, layout.window_start)
     _select_from_hist(buf.scores, kc.shape[2], layout, buf, dest)

@@ -25,7 +25,9 @@ Fast path (CPU, fp32 cache, numba): attention reads the selected rows in place
 (`kernels.gather_attend`, no gathered copies) and dense layers stream the cache once
 (`kernels.attend`); query codes come from one fused MLP + pack call. Buffers are allocated
 once per geometry or capacity and reused, so a step allocates nothing in Python. Elsewhere
-(CUDA, bf16/fp16) the torch path (gather + SDPA) runs; both are exact softmax attention.
+(CUDA, bf16/fp16) the torch path (gather + SDPA) runs; both are exact softmax attention. On a
+GPU the codes, the selection and its buffers stay on the device (kernels/cuda.py); the query and
+key encoders must be on the model's device (`Encoders.to`).
 NOTE: the output of `decode` is a reused buffer, valid until the next call of the policy.
 """
 from __future__ import annotations
@@ -146,10 +148,17 @@ class SpotlightDecode:
         if self.record is not None:
             self.record.n_tokens = n
             self.record.selected = self.record.selected or {}
-            self.record.selected[layer] = np.array(idx, copy=True)  # idx may be a reused buffer
+            self.record.selected[layer] = _host_copy(idx)  # idx may be a reused buffer
             self.record.two_level = self.record.two_level or {}
             self.record.two_level[layer] = two_level
         return self.attend.sparse(layer, q, cache, idx)  # (H, 1, D)
+
+
+def _host_copy(idx) -> np.ndarray:
+    """A numpy copy of a selection (numpy, or a torch tensor on any device)."""
+    if isinstance(idx, torch.Tensor):
+        return idx.cpu().numpy().copy()
+    return np.array(idx, copy=True)
 
 
 def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx) -> torch.Tensor:
@@ -160,7 +169,7 @@ def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx
     k_sel = torch.gather(k_all, 1, idx.unsqueeze(-1).expand(-1, -1, D))  # (Hkv, K, D)
     v_sel = torch.gather(v_all, 1, idx.unsqueeze(-1).expand(-1, -1, D))  # (Hkv, K, D)
     out = F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k_sel[None], v_sel[None])  # (1, Hkv, G, D)
-    return out.view(H, 1, D)
+    return out.reshape(H, 1, D)  # a view on the CPU; CUDA's SDPA may return other strides
 
 
 # ----------------------------------------------------------------------------- selectors
@@ -180,7 +189,7 @@ class CodeSelector:
         self.encoders = encoders
         self.two_level = TwoLevelScan(two_level)
         self.code_words = kernels.words_for(encoders.spec.bits)
-        self._capacity = None  # the code buffer's shape (Hkv, W, Ncap) the buffers below were made for
+        self._capacity = None  # (shape (Hkv, W, Ncap), device) of the code buffer the buffers below were made for
         self._scratch = None  # kernels.score_select scratch
         self._selected = None  # (Hkv * Ncap,) int32: room for any selection of this capacity
         self._q_codes = None  # (H, W) uint64
@@ -203,16 +212,22 @@ class CodeSelector:
             codes = kernels.mlp_codes(k[:, 0], *weights, mlp.depth, out=self._k_codes)  # (Hkv, W)
             cache.codes[layer, :, :, cache.length] = codes
             return
-        h = self.encoders.key_bits(layer, k)  # (Hkv, T, C)
-        kernels.pack_into(h.detach().float().numpy(), cache.codes[layer], cache.length)
+        h = self.encoders.key_bits(layer, k).detach().float()  # (Hkv, T, C)
+        kernels.pack_into(h if h.is_cuda else h.numpy(), cache.codes[layer], cache.length)
 
     def query_codes(self, layer: int, q: torch.Tensor) -> np.ndarray:
         """Packed query codes (H, W) of q (H, 1, D)."""
         mlp = self.encoders.query
+        if q.is_cuda:  # the torch MLP, packed on the device into a reused int64 buffer (the same bits)
+            if self._q_codes is None or self._q_codes.shape[0] != q.shape[0] or not self._q_codes.is_cuda:
+                self._q_codes = torch.empty((q.shape[0], self.code_words), dtype=torch.int64, device=q.device)
+            h = self.encoders.query_bits(layer, q)[:, 0]  # (H, C)
+            kernels.pack(h.detach().float(), out=self._q_codes)
+            return self._q_codes  # (H, W)
         if not _fused(q, mlp):
             h = self.encoders.query_bits(layer, q)[:, 0]  # (H, C)
             return kernels.pack(h.detach().float().numpy())  # (H, W)
-        if self._q_codes is None or self._q_codes.shape[0] != q.shape[0]:
+        if self._q_codes is None or self._q_codes.shape[0] != q.shape[0] or not isinstance(self._q_codes, np.ndarray):
             self._q_codes = np.empty((q.shape[0], self.code_words), np.uint64)  # (H, W)
         weights = _weights(mlp, layer, self._query_weights)
         return kernels.mlp_codes(q[:, 0], *weights, mlp.depth, out=self._q_codes)  # (H, W)
@@ -221,7 +236,8 @@ class CodeSelector:
         q_codes = self.query_codes(layer, q)  # (H, W)
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
-        return kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
+        kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
+        return out  # numpy on the CPU, a torch view of the device buffer on a GPU
 
     def has_segments(self, cache) -> bool:
         """Whether `cache` has segments with summaries (host-memory codes) to select from."""
@@ -241,12 +257,15 @@ class CodeSelector:
         hkv, size = k_codes.shape[0], kernels.selection_layout(n, retrieved, sinks, window).size
         return self._selection_buffer(q_codes, k_codes)[: hkv * size].reshape(hkv, size)
 
-    def _selection_buffer(self, q_codes, k_codes) -> np.ndarray:
-        """(Hkv * Ncap,) int32 room for any selection, and the scan's scratch, made once per capacity."""
-        if self._capacity != k_codes.shape:
-            self._capacity = k_codes.shape
+    def _selection_buffer(self, q_codes, k_codes):
+        """(Hkv * Ncap,) int32 room for any selection, and the scan's scratch, made once per capacity
+        (numpy for host codes, a torch tensor on the codes' device otherwise)."""
+        if self._capacity != (k_codes.shape, str(getattr(k_codes, "device", "cpu"))):
+            self._capacity = (k_codes.shape, str(getattr(k_codes, "device", "cpu")))
             self._scratch = kernels.make_scratch(q_codes, k_codes)
-            self._selected = np.empty(k_codes.shape[0] * k_codes.shape[2], np.int32)  # (Hkv * Ncap,)
+            size = k_codes.shape[0] * k_codes.shape[2]
+            self._selected = (np.empty(size, np.int32) if isinstance(k_codes, np.ndarray)
+                              else torch.empty(size, dtype=torch.int32, device=k_codes.device))  # (Hkv * Ncap,)
         return self._selected
 
 

@@ -1,7 +1,8 @@
 """KV cache with key codes: preallocated per layer, grown in large steps, truncatable.
 
 Shape legend: L layers, Hkv KV heads, D head dim, N cached tokens, Ncap capacity,
-T new tokens, W packed code words (uint64).
+T new tokens, W packed code words (uint64; on a GPU a torch int64 tensor holding the same bits,
+since torch's uint64 supports few CUDA ops and the kernels take either).
 
 Positions and lengths (batch size is always 1: one conversation per cache):
 
@@ -63,7 +64,7 @@ class KVCache:
             if self.device.type == "cpu":
                 self.codes = np.zeros(code_shape, dtype=np.uint64)  # (L, Hkv, W, Ncap)
             else:
-                self.codes = torch.zeros(code_shape, dtype=torch.uint64, device=self.device)
+                self.codes = torch.zeros(code_shape, dtype=torch.int64, device=self.device)  # the same bits
 
     @property
     def capacity(self) -> int:
@@ -119,6 +120,8 @@ class KVCache:
         self.k[:, :, start:end].copy_(k)
         self.v[:, :, start:end].copy_(v)
         if codes is not None and self.codes is not None:
+            if isinstance(self.codes, torch.Tensor):  # device codes: int64 holding the uint64 bits
+                codes = torch.from_numpy(np.ascontiguousarray(codes).view(np.int64)).to(self.device)
             self.codes[..., start:end] = codes
         self.length = end
 

@@ -60,7 +60,7 @@ class Engine:
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
             encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)
-            policy = SpotlightDecode(spotlight, CodeSelector(encoders))
+            policy = SpotlightDecode(spotlight, CodeSelector(encoders.to(config.device)))
         for warning in warnings:
             log.warning(warning)
         return cls(config, args, model, tokenizer, source, policy, time.perf_counter() - started, tuple(warnings))

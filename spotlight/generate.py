@@ -115,6 +115,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         c = self.config
+        logits = logits.float().cpu()  # (V,) sampling runs on the host (a no-op for fp32 CPU logits)
         if c.repetition_penalty != 1.0:
             penalised = torch.where(logits < 0, logits * c.repetition_penalty, logits / c.repetition_penalty)
             logits = torch.where(self.seen, penalised, logits)  # (V,)

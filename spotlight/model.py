@@ -149,7 +149,7 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     H, _, D = q.shape
     Hkv = k.shape[0]
     out = F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k[None], v[None])  # (1, Hkv, G, D)
-    return out.view(H, 1, D)
+    return out.reshape(H, 1, D)  # a view on the CPU; CUDA's SDPA may return other strides
 
 
 class FeedForward(nn.Module):
@@ -205,6 +205,7 @@ class Transformer(nn.Module):
         Returns logits (V,) of the last position, or (T, V) with `all_logits`.
         """
         T = tokens.shape[0]
+        tokens = tokens.to(self.tok_embeddings.weight.device)  # no copy when already there
         start = cache.length
         cache.reserve(start + T)
         self.setup_rope(cache.capacity)
