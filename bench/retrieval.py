@@ -279,6 +279,7 @@ def cuda_part(sizes: dict) -> tuple[list[dict], list[Target], str]:
                     targets.append(Target(f"cuda score+select us (launched from Python), {model}, N={n}, {ratio:.0%}",
                                           row["score_select us"], CUDA_TARGET_US, higher_is_better=False))
             del layers, scratch, scored
+    rows += _breakdown(cp, pool, rng, max(sizes["contexts"]), bandwidth)
     rows += _grid_sweep(cp, pool, rng, max(sizes["contexts"]))
     note = (f"CUDA rows: {device}. Codes random, {BITS} bits, word-major, rotating over {CUDA_FOOTPRINT >> 30} GiB "
             f"of layers (beyond the L2). `score_select us`: one call launched from Python (a memset and three "
@@ -291,6 +292,46 @@ def cuda_part(sizes: dict) -> tuple[list[dict], list[Target], str]:
             f"{torch.__version__}); `dense floor us` = bytes of the layer's bf16 K and V / the copy bandwidth, what "
             f"a split-KV (flash-decoding) kernel could approach; SDPA runs one block per query head group here.")
     return rows, targets, note
+
+
+def _breakdown(cp, pool, rng, n: int, bandwidth: float) -> list[dict]:
+    """Where score_select's device time goes at N tokens (2 %): graphs of its first launches, differenced."""
+    from kernels import cuda
+
+    rows = []
+    for model, (hkv, group, _) in MODELS.items():
+        words = kernels.words_for(BITS)
+        layers = Rotation(layer_codes(pool, hkv, words, n))
+        q = cp.asarray(rng.integers(0, 2**64, size=(hkv * group, words), dtype=np.uint64))  # (H, W)
+        k = int(RATIO * n)
+        layout = kernels.selection_layout(n, k, SINKS, WINDOW)
+        scratch = kernels.make_scratch(q, layers())
+        out = cp.empty((hkv, layout.size), np.int32)
+        bins = scratch.hist.shape[1]
+
+        def zero():
+            cuda._zero(scratch.hist)
+
+        def zero_score():
+            cuda._zero(scratch.hist)
+            cuda._launch_scores(q, layers(), n, scratch.scores, n, group, words, scratch.hist, bins,
+                                layout.sinks_end, layout.window_start)
+
+        def full():
+            kernels.score_select(q, layers(), n, k, SINKS, WINDOW, out=out, scratch=scratch)
+
+        t_zero, t_score, t_full = (_graph_us(cp, fn) for fn in (zero, zero_score, full))
+        score_bytes = hkv * n * 4
+        code_bytes = hkv * words * n * 8
+        part = f"CUDA score_select device time by step (N={n}, {RATIO:.0%}, graph)"
+        for step, us, moved in (("memset of the histogram", t_zero, 0),
+                                ("hamming_scores (+ histogram)", t_score - t_zero, code_bytes + score_bytes),
+                                ("select_count + select_write", t_full - t_score, 2 * score_bytes),
+                                ("all", t_full, code_bytes + 3 * score_bytes)):
+            rows.append({"part": part, "model": model, "step": step, "us": us, "MB moved": moved / 1e6,
+                         "TB/s": moved / (us / 1e6) / 1e12 if moved and us > 0 else float("nan"),
+                         "floor us": moved / bandwidth * 1e6})
+    return rows
 
 
 def _grid_sweep(cp, pool, rng, n: int) -> list[dict]:

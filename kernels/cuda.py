@@ -32,7 +32,9 @@ KERNELS = ("hamming_scores", "score_histogram", "select_count", "select_write", 
 # Every kernel is named to NVRTC (the templates must be; CuPy then looks each name up in one mapping).
 NAME_EXPRESSIONS = tuple(f"pack_rows<{t}>" for t in PACK_TYPES.values()) + KERNELS
 THREADS = 256  # threads per block of every kernel (a multiple of 32)
-SEGMENT = 4096  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
+SCORE_UNROLL = 4  # tokens per thread and pass of hamming_scores (kernels/retrieval.cu's #define)
+SELECT_ITEMS = 16  # tokens per thread in select_count / select_write (kernels/retrieval.cu's #define)
+SEGMENT = THREADS * SELECT_ITEMS  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
 BLOCKS_PER_SM = 8  # grid of the grid-stride scoring kernels: all heads' blocks resident at once (2048 threads
                    # per SM); fewer blocks flush fewer private histograms into the global one (L2 atomics)
 MAX_BINS = 12288  # histogram bins (int32) in the 48 KiB of shared memory a launch gets without opt-in
@@ -149,9 +151,9 @@ def _resident_blocks() -> int:
     return BLOCKS_PER_SM * _cupy().cuda.Device().attributes["MultiProcessorCount"]
 
 
-def _grid(count: int, heads: int = 1) -> tuple[int, int]:
+def _grid(count: int, heads: int = 1, per_thread: int = 1) -> tuple[int, int]:
     """(token blocks per head, heads): one wave of resident blocks over all heads, fewer for short rows."""
-    return (max(1, min(_resident_blocks() // heads, -(-count // THREADS))), heads)
+    return (max(1, min(_resident_blocks() // heads, -(-count // (THREADS * per_thread)))), heads)
 
 
 def _zero(a) -> None:
@@ -210,7 +212,7 @@ def scores(q_codes, k_codes, n: int, out=None):
 def _launch_scores(q, k, n, dest, stride, group, words, hist, bins, lo, hi) -> None:
     shared = group * words * 8 + (bins * 4 if hist is not None else 0)
     _kernel("hamming_scores")(
-        _grid(n, k.shape[0]), (THREADS,),
+        _grid(n, k.shape[0], SCORE_UNROLL), (THREADS,),
         (q, k, dest, np.int32(n), np.int64(k.shape[2]), np.int64(stride), np.int32(group), np.int32(words),
          hist if hist is not None else np.uint64(0), np.int32(bins), np.int32(lo), np.int32(hi)),
         shared_mem=shared,

@@ -83,6 +83,10 @@ __device__ int block_exclusive_scan(int v, int* total) {
 
 // grid (x: token blocks, y: KV head); shared memory: ~q of the head's G query codes (G * W u64),
 // then, when hist != nullptr, a (bins,) int histogram of the scores of tokens [lo, hi).
+// Each thread scores SCORE_UNROLL tokens per pass (blockDim apart, so every load stays coalesced),
+// loading a word of all of them before any popcount: more loads in flight per thread, which is
+// what a single-pass read of the codes needs to approach the memory bandwidth.
+#define SCORE_UNROLL 4
 extern "C" __global__ void hamming_scores(const u64* __restrict__ q, const u64* __restrict__ k,
                                           int* __restrict__ scores, int n, long long capacity,
                                           long long score_stride, int group, int words,
@@ -96,15 +100,30 @@ extern "C" __global__ void hamming_scores(const u64* __restrict__ q, const u64* 
         for (int i = threadIdx.x; i < bins; i += blockDim.x) hs[i] = 0;
     __syncthreads();
     const u64* kh = k + (long long)h * words * capacity;
-    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n;
-         t += (long long)gridDim.x * blockDim.x) {
-        int s = 0;
+    long long pass = (long long)blockDim.x * SCORE_UNROLL;
+    for (long long base = (long long)blockIdx.x * pass + threadIdx.x; base < n; base += (long long)gridDim.x * pass) {
+        int s[SCORE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SCORE_UNROLL; ++u) s[u] = 0;
         for (int w = 0; w < words; ++w) {
-            u64 x = kh[w * capacity + t];
-            for (int g = 0; g < group; ++g) s += __popcll(qs[g * words + w] ^ x);
+            u64 x[SCORE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < SCORE_UNROLL; ++u) {
+                long long t = base + (long long)u * blockDim.x;
+                x[u] = t < n ? kh[w * capacity + t] : 0;
+            }
+#pragma unroll
+            for (int u = 0; u < SCORE_UNROLL; ++u)
+                for (int g = 0; g < group; ++g) s[u] += __popcll(qs[g * words + w] ^ x[u]);
         }
-        scores[h * score_stride + t] = s;
-        if (hist && t >= lo && t < hi) atomicAdd(&hs[s], 1);
+#pragma unroll
+        for (int u = 0; u < SCORE_UNROLL; ++u) {
+            long long t = base + (long long)u * blockDim.x;
+            if (t < n) {
+                scores[h * score_stride + t] = s[u];
+                if (hist && t >= lo && t < hi) atomicAdd(&hs[s[u]], 1);
+            }
+        }
     }
     if (!hist) return;
     __syncthreads();
@@ -154,6 +173,11 @@ __device__ void find_cut(const int* __restrict__ hh, int bins, int r, int* cut, 
     __syncthreads();  // found is reused by the next call
 }
 
+// Tokens per thread in select_count / select_write: a segment is blockDim.x * SELECT_ITEMS tokens
+// (kernels/cuda.py passes seg = THREADS * SELECT_ITEMS), thread i owns the run
+// [s0 + i * SELECT_ITEMS, s0 + (i + 1) * SELECT_ITEMS) and loads all of it at once.
+#define SELECT_ITEMS 16
+
 // grid (x: segments of `seg` tokens of [lo, hi), y: head): per segment, how many tokens score
 // above the cut and how many score exactly the cut, into seg_counts[h, segment] = {above, ties}.
 extern "C" __global__ void select_count(const int* __restrict__ scores, long long score_stride,
@@ -162,9 +186,12 @@ extern "C" __global__ void select_count(const int* __restrict__ scores, long lon
     int h = blockIdx.y, cut, ties;
     find_cut(hist + (long long)h * bins, bins, r, &cut, &ties);
     int s0 = lo + blockIdx.x * seg, s1 = min(hi, s0 + seg);
+    int t0 = s0 + threadIdx.x * SELECT_ITEMS;
+    const int* row = scores + h * score_stride;
     int packed = 0;  // above + (ties << 16): a segment holds fewer than 65536 of each
-    for (int t = s0 + threadIdx.x; t < s1; t += blockDim.x) {
-        int s = scores[h * score_stride + t];
+#pragma unroll
+    for (int j = 0; j < SELECT_ITEMS; ++j) {
+        int s = t0 + j < s1 ? row[t0 + j] : -1;
         packed += (s > cut) + ((s == cut) << 16);
     }
     int total;
@@ -179,7 +206,8 @@ extern "C" __global__ void select_count(const int* __restrict__ scores, long lon
 // grid (x: segments, y: head): ordered compaction. A token scoring above the cut, or scoring
 // the cut with fewer than `ties` equal tokens before it, goes to position
 // #(above before it) + min(#(ties before it), ties) of the retrieved part of out[h]; the
-// counts before the segment are summed from seg_counts. Segment 0 also writes the forced
+// counts before the segment are summed from seg_counts, those before a thread's run come from
+// one block scan, and each thread walks its run in order. Segment 0 also writes the forced
 // indices: out[h, :sinks_end] = 0.., out[h, sinks_end + r:] = window_start..n-1.
 extern "C" __global__ void select_write(const int* __restrict__ scores, long long score_stride,
                                         int n, int sinks_end, int window_start, int seg,
@@ -188,6 +216,16 @@ extern "C" __global__ void select_write(const int* __restrict__ scores, long lon
                                         int out_stride) {
     int h = blockIdx.y, cut, ties, total;
     find_cut(hist + (long long)h * bins, bins, r, &cut, &ties);
+    int s0 = sinks_end + blockIdx.x * seg, s1 = min(window_start, s0 + seg);
+    int t0 = s0 + threadIdx.x * SELECT_ITEMS;
+    const int* scored = scores + h * score_stride;
+    int v[SELECT_ITEMS];
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < SELECT_ITEMS; ++j) {  // issued before the scans below, so their latency overlaps
+        v[j] = t0 + j < s1 ? scored[t0 + j] : -1;
+        mine += (v[j] > cut) + ((v[j] == cut) << 16);
+    }
     const int* c = seg_counts + (long long)h * gridDim.x * 2;
     int above_sum = 0, ties_sum = 0;
     for (int i = threadIdx.x; i < (int)blockIdx.x; i += blockDim.x) {
@@ -204,16 +242,17 @@ extern "C" __global__ void select_write(const int* __restrict__ scores, long lon
         for (int t = window_start + threadIdx.x; t < n; t += blockDim.x)
             row[sinks_end + r + t - window_start] = t;
     }
-    int s0 = sinks_end + blockIdx.x * seg, s1 = min(window_start, s0 + seg);
-    for (int t0 = s0; t0 < s1; t0 += blockDim.x) {  // uniform trip count: the scan needs all threads
-        int t = t0 + threadIdx.x;
-        int s = t < s1 ? scores[h * score_stride + t] : -1;
-        int gt = s > cut, tie = s == cut;
-        int before = block_exclusive_scan(gt + (tie << 16), &total);
-        int a = above_before + (before & 0xffff), e = ties_before + (before >> 16);
-        if (gt || (tie && e < ties)) row[sinks_end + a + min(e, ties)] = t;
-        above_before += total & 0xffff;
-        ties_before += total >> 16;
+    int before = block_exclusive_scan(mine, &total);
+    int a = above_before + (before & 0xffff), e = ties_before + (before >> 16);
+#pragma unroll
+    for (int j = 0; j < SELECT_ITEMS; ++j) {
+        if (v[j] > cut) {
+            row[sinks_end + a + min(e, ties)] = t0 + j;
+            ++a;
+        } else if (v[j] == cut) {
+            if (e < ties) row[sinks_end + a + e] = t0 + j;
+            ++e;
+        }
     }
 }
 
