@@ -27,6 +27,17 @@ timeout 90 $PY -m pytest -p no:cacheprovider -q -rA \
   "tests/test_kernels.py::test_cuda_sources_compile_to_cubin" 2>&1 | tee -a "$OUT/gpu-tests.txt"
 echo "nvcc compile check exit: $?" | tee -a "$OUT/gpu-tests.txt"
 
+# The CLI end to end on both devices, when a small model directory was carried along (an HF
+# directory with a tokenizer, e.g. a randomly initialised 4-layer Llama with SmolLM2's tokenizer).
+if [ -d .gpu-carry/tiny-smol ]; then
+  for dev in cpu cuda; do
+    echo "== spotlight generate --device $dev"
+    SPOTLIGHT_HOME=/tmp/spotlight-home timeout 120 $PY -m spotlight generate --model .gpu-carry/tiny-smol \
+      --prompt-file .gpu-carry/prompt.txt --max-new-tokens 48 --device $dev 2>&1 | tail -n 2
+  done 2>&1 | tee "$OUT/cli.txt"
+fi
+
+[ -n "$SKIP_BENCH" ] && exit 0
 timeout 180 $PY -m bench.retrieval --part cuda --json "$OUT/retrieval-cuda.json" 2>&1 | tee "$OUT/bench-cuda.txt"
 echo "bench exit: $?" | tee -a "$OUT/bench-cuda.txt"
 cp docs/RESULTS.md "$OUT/RESULTS.md"

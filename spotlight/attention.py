@@ -310,8 +310,8 @@ class SinkWindowSelector:
 
     def select(self, layer, q, cache, n, retrieved, sinks, window):
         layout = kernels.selection_layout(n, retrieved, sinks, window)
-        head = torch.arange(layout.sinks_end)
-        tail = torch.arange(layout.window_start - layout.retrieved, n)
+        head = torch.arange(layout.sinks_end, device=cache.k.device)
+        tail = torch.arange(layout.window_start - layout.retrieved, n, device=cache.k.device)
         row = torch.cat([head, tail]).to(torch.int32)  # (K,)
         return row.expand(cache.args.n_kv_heads, -1).contiguous()  # (Hkv, K)
 
@@ -355,6 +355,6 @@ def topk_layout(scores: torch.Tensor, retrieved: int, sinks: int, window: int) -
     middle = scores[:, layout.sinks_end : layout.window_start]  # (Hkv, M)
     order = torch.sort(middle, dim=1, descending=True, stable=True).indices[:, : layout.retrieved]
     picked = torch.sort(order, dim=1).values + layout.sinks_end  # (Hkv, R) ascending
-    head = torch.arange(layout.sinks_end).expand(Hkv, -1)
-    tail = torch.arange(layout.window_start, n).expand(Hkv, -1)
+    head = torch.arange(layout.sinks_end, device=scores.device).expand(Hkv, -1)
+    tail = torch.arange(layout.window_start, n, device=scores.device).expand(Hkv, -1)
     return torch.cat([head, picked, tail], dim=1).to(torch.int32)  # (Hkv, K)

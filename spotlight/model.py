@@ -134,8 +134,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if past == 0:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
     else:
-        rows = torch.arange(T).unsqueeze(1) + past  # (T, 1): absolute position of each query
-        mask = torch.arange(N).unsqueeze(0) <= rows  # (T, N)
+        rows = torch.arange(T, device=q.device).unsqueeze(1) + past  # (T, 1): absolute position of each query
+        mask = torch.arange(N, device=q.device).unsqueeze(0) <= rows  # (T, N)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
     return out[0]  # (H, T, D)
 

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
 
 PROMPT = [(i * 37) % 211 for i in range(300)]
 STEPS = [5, 17, 99, 3, 140, 77, 2]
+CHUNK = 200  # prefill chunk: PROMPT enters in two chunks
 CONFIG = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, ratio=0.05, k_min=8, bits=128)
 
 
@@ -41,12 +42,13 @@ def models(dtype):
 
 
 def run(model, policy, code_words):
-    """Prefill PROMPT, decode STEPS one by one: (logits (S, V) on the host, per-step selections, cache)."""
+    """Prefill PROMPT (two chunks), decode STEPS one by one: (logits (S, V) on the host, per-step selections, cache)."""
     cache = KVCache(model.args, 64, dtype=model.tok_embeddings.weight.dtype,
                     device=model.tok_embeddings.weight.device, code_words=code_words)
     logits, selections = [], []
     with torch.inference_mode():
-        model(torch.tensor(PROMPT), cache, policy)
+        model(torch.tensor(PROMPT[:CHUNK]), cache, policy)  # two prefill chunks: the second one is masked
+        model(torch.tensor(PROMPT[CHUNK:]), cache, policy)
         for token in STEPS:
             logits.append(model(torch.tensor([token]), cache, policy).double().cpu())
             if getattr(policy, "record", None) is not None:
