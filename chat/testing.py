@@ -8,6 +8,7 @@ canonicalise before it stores spans.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from spotlight.loading import ModelSource
 from spotlight.model import Transformer
 
 SPECIAL_TOKENS = {"<|im_start|>": 256, "<|im_end|>": 257, "<|endoftext|>": 258}
+_SPECIALS = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
 UNKNOWN_TOKEN = 259
 VOCAB_SIZE = 260
 
@@ -31,7 +33,11 @@ class ByteTokenizer:
     unk_token_id = UNKNOWN_TOKEN
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode())
+        """Bytes, except that the special tokens' text becomes their ids (as a real tokenizer does)."""
+        ids: list[int] = []
+        for piece in _SPECIALS.split(text):
+            ids += [SPECIAL_TOKENS[piece]] if piece in SPECIAL_TOKENS else list(piece.encode())
+        return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -41,15 +47,12 @@ class ByteTokenizer:
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True, return_dict=False
-    ) -> list[int]:
-        """<|im_start|>role\\ncontent<|im_end|>\\n per message (+ <|im_start|>assistant\\n)."""
-        start, end = SPECIAL_TOKENS["<|im_start|>"], SPECIAL_TOKENS["<|im_end|>"]
-        ids: list[int] = []
-        for message in messages:
-            ids += [start, *self.encode(f"{message['role']}\n{message['content']}"), end, *self.encode("\n")]
+    ) -> list[int] | str:
+        """<|im_start|>role\ncontent<|im_end|>\n per message (+ <|im_start|>assistant\n): text, or its ids."""
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         if add_generation_prompt:
-            ids += [start, *self.encode("assistant\n")]
-        return ids
+            text += "<|im_start|>assistant\n"
+        return self.encode(text) if tokenize else text
 
 
 def tiny_args(max_seq_len: int = 8192) -> ModelArgs:

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
 from .hashing import EncoderSpec, Encoders, load_encoders
 from .generate import Context, ProgressFn, Step, stream
 from .model import Transformer, build_model
+from .tokens import SegmentEncoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INITIAL_CAPACITY = 1024  # tokens; the cache grows geometrically beyond this
@@ -87,20 +89,22 @@ class Engine:
                         device=self.config.device, code_words=self.policy.code_words)
         return Context(cache)
 
+    @functools.cached_property
+    def segments(self) -> SegmentEncoder:
+        """The tokenizer with each piece between added tokens memoised (spotlight/tokens.py)."""
+        return SegmentEncoder(self.tokenizer)
+
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.segments(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        """Token ids of a conversation rendered by the model's chat template (its text, tokenised
+        piece by piece: a long document already seen in this process is not tokenised again)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.segments(text)
 
     def check_fits(self, n_tokens: int, reply_tokens: int = 0) -> None:
         if n_tokens + reply_tokens > self.max_context:
