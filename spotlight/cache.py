@@ -56,8 +56,10 @@ class KVCache:
     def _allocate(self, capacity: int) -> None:
         capacity = -(-capacity // _GROW_ROUND) * _GROW_ROUND
         shape = kv_cache_shape(self.args, capacity)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (L, Hkv, Ncap, D)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)  # (L, Hkv, Ncap, D)
+        # NOTE: uninitialised: only rows [0, length) are ever read, and zero-filling an 8K cache
+        # (380 MB) took ~70 ms of every resume's time to first token.
+        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)  # (L, Hkv, Ncap, D)
+        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)  # (L, Hkv, Ncap, D)
         self.codes = None
         if self.code_words:
             code_shape = code_cache_shape(self.args, self.code_words, capacity)

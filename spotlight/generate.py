@@ -224,10 +224,12 @@ def _decode(model, tokenizer, context, logits, policy, sampling, eos_ids, max_co
             yield Step(token, piece)
             finish = "length"
             break
+        # NOTE: the token is shown before the model runs on it: the first token of a reply
+        # appears right after the prefill, without waiting for a decode step.
+        stats.decode_seconds = time.perf_counter() - started
+        yield Step(token, piece)
         token_buf[0] = token
         logits = model(token_buf, context.cache, policy)  # (V,)
         context.tokens.append(token)
-        stats.decode_seconds = time.perf_counter() - started
-        yield Step(token, piece)
     stats.decode_seconds = time.perf_counter() - started
     yield Step(None, text.finish(), finish, stats)
