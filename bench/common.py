@@ -49,7 +49,17 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process in MiB."""
+    """Peak resident set size of this process image in MiB.
+
+    Linux's VmHWM, which starts afresh at exec; `ru_maxrss` does not: a spawned benchmark
+    process would report its parent's peak (e.g. a llama.cpp child of a process that held
+    a 128K cache reported 7.5 GB). Other systems: ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -71,7 +81,10 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     """Markdown table of rows (dicts); columns default to the first row's keys."""
     if not rows:
         return "(no rows)\n"
-    columns = columns or list(rows[0].keys())
+    if columns is None:  # every key of every row, in first-seen order
+        columns = []
+        for row in rows:
+            columns += [k for k in row if k not in columns]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(fmt(row.get(c)) for c in columns) + " |")
