@@ -262,7 +262,8 @@ def main(argv=None) -> int:
     notes = (
         f"SmolLM2-135M fp32 on CPU, {policy} decode, {args.threads or torch.get_num_threads()} torch "
         "thread(s) for every measurement. TTFT = time to the first streamed token (the "
-        "engine yields it after feeding it, so both columns include one decode forward). The resumes of "
+        "engine yields it as soon as the prompt's logits give it, before running the model on it; both "
+        "columns alike). The resumes of "
         f"a row run in one fresh process (a restart: model loaded and warmed up once, as ChatService does "
         f"after loading it), each through a new ChatService and Store; resume_first_s is the first of "
         f"them (it also pays the process's first-use costs); resume_ttft_s is the median of {RUNS} runs "
