@@ -250,6 +250,16 @@ def test_empty_message_is_refused_and_nothing_changes(tab):
     assert final[CHAT] == [] and history(tab, tab.opened) == []
 
 
+def test_version_arrows_with_nothing_to_switch_say_what_to_do(tab):
+    run(tab, "a question never edited", api_name="/send")
+    for api_name in ("/older_version", "/newer_version"):
+        refused = tab.predict(None, api_name=api_name)
+        assert status(refused) == "⚠ Nothing to switch: edit or regenerate a message first, then pick it here."
+        assert refused[CHAT] == {"__type__": "update"}  # gr.skip(): the chat is left as it was
+    assert [m["content"] for m in history(tab, tab.opened)] == ["a question never edited",
+                                                                "Echo: a question never edited"]
+
+
 def test_sending_while_a_reply_streams_waits_its_turn(server, tab):
     """Two tabs on the same conversation: the second send queues behind the engine; nothing is lost."""
     long_job = tab.submit("/long first", api_name="/send")
