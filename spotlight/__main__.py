@@ -46,6 +46,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     m.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     m.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    m.add_argument("--kernel-threads", type=int, default=1,
+                   help="threads of the decode kernels (default: 1; 2 decoded 1.3x faster on an idle 2-core machine)")
     m.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default: 512)")
     a = p.add_argument_group("Spotlight attention")
     a.add_argument("--no-spotlight", action="store_true", help="decode with dense attention over every cached token")
@@ -66,6 +68,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _configs(args) -> tuple[EngineConfig, SamplingConfig, SpotlightConfig]:
     engine = EngineConfig(model_path=args.model, device=args.device, threads=args.threads,
+                          kernel_threads=args.kernel_threads,
                           prefill_chunk=args.prefill_chunk, encoder_path=args.encoders)
     spotlight = SpotlightConfig(enabled=not args.no_spotlight, ratio=args.ratio, bits=args.bits)
     sampling = SamplingConfig(

@@ -226,11 +226,17 @@ class EngineConfig:
     dtype: str = "float32"
     prefill_chunk: int = 512
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # Threads of the decode kernels (weight GEMVs, attention, retrieval: kernels.set_threads). 1 by
+    # default: on a shared 2-core machine a parallel step can wait for a busy core; on an idle one
+    # 2 threads decoded 1.3x faster (docs/DECISIONS.md, "Engine").
+    kernel_threads: int = 1
     encoder_path: str | None = None  # Spotlight encoder checkpoint; None: the shipped one if it matches
 
     def __post_init__(self):
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.kernel_threads < 1:
+            raise ValueError(f"kernel_threads must be >= 1, got {self.kernel_threads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
 

@@ -17,6 +17,8 @@ from typing import Iterator
 
 import torch
 
+import kernels
+
 from . import loading
 from .attention import CodeSelector, DenseDecode, SpotlightDecode
 from .cache import KVCache
@@ -55,6 +57,7 @@ class Engine:
             raise DeviceUnavailable("CUDA was requested but no GPU is available; use --device cpu")
         if config.threads:
             torch.set_num_threads(config.threads)
+        kernels.set_threads(config.kernel_threads)  # ValueError naming the limit when numba has fewer
         source = loading.resolve(config.model_path, home)
         _, args = loading.load_config(source)
         tokenizer = loading.load_tokenizer(source)

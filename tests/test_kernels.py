@@ -400,6 +400,31 @@ def test_linear_equals_matmul():
         np.testing.assert_allclose(linear(x, w, b), w.astype(np.float64) @ x + b, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
+def test_linear_on_two_threads_equals_one_thread():
+    """kernels.set_threads(2) splits the weight rows over two threads; every row is still summed
+    by one thread in the same order."""
+    import numba
+
+    from kernels.linear import linear
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here")
+    rng = np.random.default_rng(2)
+    before = cpu.threads()
+    try:
+        for rows, cols in [(7, 5), (1538, 576), (3, 3)]:
+            w, x, b = [rng.standard_normal(s).astype(np.float32) for s in [(rows, cols), (cols,), (rows,)]]
+            kernels.set_threads(1)
+            one = linear(x, w, b)
+            kernels.set_threads(2)
+            two = linear(x, w, b)
+            np.testing.assert_array_equal(two, one)
+            np.testing.assert_allclose(two, w.astype(np.float64) @ x + b, rtol=1e-5, atol=1e-4)
+    finally:
+        kernels.set_threads(before)
+
+
 # ----------------------------------------------------------------------------- dispatch, errors
 
 
