@@ -9,9 +9,11 @@ Floor = bytes a decode step must read / memory read bandwidth, both from this ru
     layer; Spotlight: in each sparse layer the key codes of every token plus K and V of the
     selected rows, the query encoder's weights, and full K and V in the dense layers; the
     key encoder's weights in every layer (each new key is coded once);
-  * bandwidth: the faster of a 1-thread and a 2-thread streaming read (torch sum over 1 GiB,
-    best of 5 each). That is the most this machine delivers to a reader, so the floor is a
-    lower bound on the step time (a 1-thread read alone would make the floor easier).
+  * bandwidth: the fastest of a 1-thread and a 2-thread streaming read (torch sum over 1 GiB,
+    best of 5 each) and of our own decode step's weight GEMVs at each kernel thread count
+    (this shared machine's read bandwidth varies between runs, 40-75 GB/s for two threads; a
+    floor our own kernels beat would be no floor). That is the most this machine delivered to
+    a reader in the run, so the floor is a lower bound on the step time.
 Decode runs with DECODE_THREADS torch intra-op threads (see its comment).
 """
 from __future__ import annotations
@@ -53,6 +55,33 @@ def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> dict[int, flo
             best = min(best, time.perf_counter() - start)
         result[threads] = n_bytes / best
     torch.set_num_threads(before)
+    return result
+
+
+def weight_pass_bandwidth(model, repeats: int = 5) -> dict[int, float]:
+    """Bytes/s of one decode step's weight GEMVs (kernels.linear over every matrix, best of `repeats`)
+    per kernel thread count: a read our own kernels achieve, so no floor may assume less."""
+    from kernels.linear import linear
+
+    matrices, seen = [], set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            matrices.append(module.weight.detach())
+    inputs = {w.shape[1]: torch.randn(w.shape[1]) for w in matrices}
+    outputs = [torch.empty(w.shape[0]) for w in matrices]
+    total = sum(w.numel() * w.element_size() for w in matrices)
+    result = {}
+    for threads in KERNEL_THREADS:
+        kernels.set_threads(threads)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first pass compiles / warms up
+            start = time.perf_counter()
+            for w, out in zip(matrices, outputs):
+                linear(inputs[w.shape[1]], w, out=out)
+            best = min(best, time.perf_counter() - start)
+        result[threads] = total / best
+    kernels.set_threads(1)
     return result
 
 
@@ -189,7 +218,8 @@ def spotlight_part(quick: bool):
 
     reads = measure_bandwidth()
     torch.set_num_threads(DECODE_THREADS)
-    bandwidth = max(reads.values())
+    passes = weight_pass_bandwidth(model)
+    bandwidth = max(*reads.values(), *passes.values())
     weights = weight_bytes(model)
     kv_bytes = model.tok_embeddings.weight.element_size()
     rows = []
@@ -240,7 +270,10 @@ def spotlight_part(quick: bool):
         f"window {config.window}, ratio {config.ratio:.0%} (k_min {config.k_min}); encoders "
         f"{'trained' if encoders.trained else 'untrained (same speed)'}. Memory read bandwidth measured in this "
         f"run (streaming read, torch sum over 1 GiB, best of 5): 1 thread {reads[1] / 1e9:.1f} GB/s, 2 threads "
-        f"{reads[2] / 1e9:.1f} GB/s; the floor divides by the faster, the most this machine delivers to a reader. "
+        f"{reads[2] / 1e9:.1f} GB/s; our decode step's weight GEMVs alone (kernels.linear, best of 5): "
+        + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in passes.items())
+        + f"; the floor divides by the fastest of these ({bandwidth / 1e9:.1f} GB/s), the most this machine was "
+        f"seen to deliver to a reader in this run. "
         f"Floor bytes: weights ({weights / 1e6:.0f} MB per token) + KV rows (dense) or, for Spotlight, codes + "
         f"selected rows + query encoder per sparse layer, full KV in dense layers, key encoder in every layer. "
         f"Decode with {DECODE_THREADS} torch thread(s) (why: bench/spotlight_speed.py) and each path at "
