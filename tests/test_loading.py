@@ -97,6 +97,15 @@ def test_cli_missing_model_is_a_clear_error():
     assert b"does not exist" in out.stderr and b"Traceback" not in out.stderr
 
 
+def test_cli_kernel_threads_out_of_range_is_a_clear_error():
+    out = cli("generate", "--kernel-threads", "0", stdin=b"hello")
+    assert out.returncode == 2
+    assert b"kernel_threads must be >= 1, got 0" in out.stderr and b"Traceback" not in out.stderr
+    out = cli("generate", "--kernel-threads", "100000", stdin=b"hello")
+    assert out.returncode == 2
+    assert b"threads must be in [1, " in out.stderr and b"got 100000" in out.stderr and b"Traceback" not in out.stderr
+
+
 @pytest.mark.model
 def test_cli_prompt_longer_than_context_names_the_limit(engine, tmp_path):
     long = tmp_path / "long.txt"
