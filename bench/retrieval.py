@@ -420,18 +420,6 @@ def _attention_us(torch, hkv: int, group: int, dim: int, n: int, repeats: int):
     turn = Rotation(kv)
     q = torch.randn(1, hkv, group, dim, dtype=torch.bfloat16, device=device)  # (1, Hkv, G, D): one step
 
-    def events_us(fn) -> float:
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(repeats * 4):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return float(np.median(times))
-
     def dense():
         k, v = turn()
         return F.scaled_dot_product_attention(q, k, v)  # (1, Hkv, G, D)
@@ -443,9 +431,9 @@ def _attention_us(torch, hkv: int, group: int, dim: int, n: int, repeats: int):
             kk, vv = turn()
             return F.scaled_dot_product_attention(q, kk.gather(2, idx), vv.gather(2, idx))
 
-        return events_us(sparse)
+        return _device_us(sparse, repeats)  # torch and CuPy share the legacy default stream
 
-    return events_us(dense), sparse_us
+    return _device_us(dense, repeats), sparse_us
 
 
 # ----------------------------------------------------------------------------- two-level retrieval

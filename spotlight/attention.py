@@ -192,7 +192,7 @@ class CodeSelector:
         self._capacity = None  # (shape (Hkv, W, Ncap), device) of the code buffer the buffers below were made for
         self._scratch = None  # kernels.score_select scratch
         self._selected = None  # (Hkv * Ncap,) int32: room for any selection of this capacity
-        self._q_codes = None  # (H, W) uint64
+        self._q_codes = None  # (H, W): uint64 numpy, or an int64 tensor on a GPU (the same bits)
         self._k_codes = None  # (Hkv, W) uint64: a decode step's key codes
         self._query_weights = {}  # layer -> numpy views (w1, b1, w2, w_out) of the query encoder
         self._key_weights = {}  # layer -> the same views of the key encoder
@@ -216,21 +216,20 @@ class CodeSelector:
         kernels.pack_into(h if h.is_cuda else h.numpy(), cache.codes[layer], cache.length)
 
     def query_codes(self, layer: int, q: torch.Tensor) -> np.ndarray:
-        """Packed query codes (H, W) of q (H, 1, D)."""
+        """Packed query codes (H, W) of q (H, 1, D): numpy on the CPU, a reused int64 device tensor on a GPU."""
         mlp = self.encoders.query
-        if q.is_cuda:  # the torch MLP, packed on the device into a reused int64 buffer (the same bits)
-            if self._q_codes is None or self._q_codes.shape[0] != q.shape[0] or not self._q_codes.is_cuda:
-                self._q_codes = torch.empty((q.shape[0], self.code_words), dtype=torch.int64, device=q.device)
-            h = self.encoders.query_bits(layer, q)[:, 0]  # (H, C)
-            kernels.pack(h.detach().float(), out=self._q_codes)
-            return self._q_codes  # (H, W)
-        if not _fused(q, mlp):
-            h = self.encoders.query_bits(layer, q)[:, 0]  # (H, C)
-            return kernels.pack(h.detach().float().numpy())  # (H, W)
-        if self._q_codes is None or self._q_codes.shape[0] != q.shape[0] or not isinstance(self._q_codes, np.ndarray):
-            self._q_codes = np.empty((q.shape[0], self.code_words), np.uint64)  # (H, W)
-        weights = _weights(mlp, layer, self._query_weights)
-        return kernels.mlp_codes(q[:, 0], *weights, mlp.depth, out=self._q_codes)  # (H, W)
+        if _fused(q, mlp):
+            if not isinstance(self._q_codes, np.ndarray) or self._q_codes.shape[0] != q.shape[0]:
+                self._q_codes = np.empty((q.shape[0], self.code_words), np.uint64)  # (H, W)
+            weights = _weights(mlp, layer, self._query_weights)
+            return kernels.mlp_codes(q[:, 0], *weights, mlp.depth, out=self._q_codes)  # (H, W)
+        h = self.encoders.query_bits(layer, q)[:, 0].detach().float()  # (H, C)
+        if not h.is_cuda:
+            return kernels.pack(h.numpy())  # (H, W)
+        if not isinstance(self._q_codes, torch.Tensor) or self._q_codes.shape[0] != q.shape[0]:
+            self._q_codes = torch.empty((q.shape[0], self.code_words), dtype=torch.int64, device=q.device)
+        kernels.pack(h, out=self._q_codes)  # int64 holds the same bits
+        return self._q_codes  # (H, W)
 
     def select(self, layer, q, cache, n, retrieved, sinks, window):
         q_codes = self.query_codes(layer, q)  # (H, W)
@@ -260,14 +259,14 @@ class CodeSelector:
     def _selection_buffer(self, q_codes, k_codes):
         """(Hkv * Ncap,) int32 room for any selection, and the scan's scratch, made once per capacity
         (numpy for host codes, a torch tensor on the codes' device otherwise)."""
-        if self._capacity != (k_codes.shape, str(getattr(k_codes, "device", "cpu"))):
-            self._capacity = (k_codes.shape, str(getattr(k_codes, "device", "cpu")))
+        made_for = (k_codes.shape, str(k_codes.device))  # numpy arrays say "cpu"
+        if self._capacity != made_for:
+            self._capacity = made_for
             self._scratch = kernels.make_scratch(q_codes, k_codes)
             size = k_codes.shape[0] * k_codes.shape[2]
             self._selected = (np.empty(size, np.int32) if isinstance(k_codes, np.ndarray)
                               else torch.empty(size, dtype=torch.int32, device=k_codes.device))  # (Hkv * Ncap,)
         return self._selected
-
 
 
 def _fused(x: torch.Tensor, mlp) -> bool:
@@ -281,6 +280,7 @@ def _weights(mlp, layer: int, memo: dict) -> tuple:
     if layer not in memo:
         memo[layer] = tuple(p.detach()[layer].numpy() for p in (mlp.w1, mlp.b1, mlp.w2, mlp.w_out))
     return memo[layer]
+
 
 class OracleSelector:
     """Exact top-k: ranks tokens by the attention probability summed over the query group."""
