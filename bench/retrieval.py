@@ -321,7 +321,7 @@ def _breakdown(cp, pool, rng, n: int, bandwidth: float) -> list[dict]:
             kernels.score_select(q, layers(), n, k, SINKS, WINDOW, out=out, scratch=scratch)
 
         t_zero, t_score, t_full = (_graph_us(cp, fn) for fn in (zero, zero_score, full))
-        score_bytes = hkv * n * 4
+        score_bytes = hkv * n * scratch.scores.itemsize  # 16-bit scores in the fused path
         code_bytes = hkv * words * n * 8
         part = f"CUDA score_select device time by step (N={n}, {RATIO:.0%}, graph)"
         for step, us, moved in (("memset of the histogram", t_zero, 0),

@@ -6,7 +6,8 @@
 //   selection of r middle tokens per head: every score above the cut, then the lowest-index
 //   tokens scoring exactly the cut (equal scores -> lower token index first), ascending.
 //
-// Shapes (row-major, int64 offsets): q (H, W), k (Hkv, W, N), scores (Hkv, stride),
+// Shapes (row-major, int64 offsets): q (H, W), k (Hkv, W, N), scores (Hkv, stride) of S = int or
+// unsigned short (the fused path keeps 16-bit scores: S <= G * W * 64 < MAX_BINS, half the traffic),
 // hist (Hkv, bins), seg_counts (Hkv, segs, 2) = {above the cut, at the cut}, out (Hkv, K).
 // Selection is two passes over the scores after the histogram: count per segment, then write;
 // each block finds the cut from the histogram itself, so no kernel only for it.
@@ -87,10 +88,11 @@ __device__ int block_exclusive_scan(int v, int* total) {
 // loading a word of all of them before any popcount: more loads in flight per thread, which is
 // what a single-pass read of the codes needs to approach the memory bandwidth.
 #define SCORE_UNROLL 4
-extern "C" __global__ void hamming_scores(const u64* __restrict__ q, const u64* __restrict__ k,
-                                          int* __restrict__ scores, int n, long long capacity,
-                                          long long score_stride, int group, int words,
-                                          int* __restrict__ hist, int bins, int lo, int hi) {
+template <typename S>
+__global__ void hamming_scores(const u64* __restrict__ q, const u64* __restrict__ k,
+                               S* __restrict__ scores, int n, long long capacity,
+                               long long score_stride, int group, int words,
+                               int* __restrict__ hist, int bins, int lo, int hi) {
     extern __shared__ u64 shared[];
     u64* qs = shared;
     int* hs = (int*)(shared + group * words);
@@ -120,7 +122,7 @@ extern "C" __global__ void hamming_scores(const u64* __restrict__ q, const u64* 
         for (int u = 0; u < SCORE_UNROLL; ++u) {
             long long t = base + (long long)u * blockDim.x;
             if (t < n) {
-                scores[h * score_stride + t] = s[u];
+                scores[h * score_stride + t] = (S)s[u];
                 if (hist && t >= lo && t < hi) atomicAdd(&hs[s[u]], 1);
             }
         }
@@ -174,28 +176,40 @@ __device__ void find_cut(const int* __restrict__ hh, int bins, int r, int* cut, 
 }
 
 // Tokens per thread in select_count / select_write: a segment is blockDim.x * SELECT_ITEMS tokens
-// (kernels/cuda.py passes seg = THREADS * SELECT_ITEMS), thread i owns the run
-// [s0 + i * SELECT_ITEMS, s0 + (i + 1) * SELECT_ITEMS) and loads all of it at once.
-#define SELECT_ITEMS 16
+// (kernels/cuda.py passes seg = THREADS * SELECT_ITEMS). Warp w owns the contiguous run of
+// 32 * SELECT_ITEMS tokens starting at s0 + w * 32 * SELECT_ITEMS; its item j is the 32 tokens
+// run + 32 j + lane, so every load of a warp is one coalesced 32-token read, and the order of the
+// tokens is (warp, item, lane): ballots rank a lane among its warp's 32 tokens of an item.
+#define SELECT_ITEMS 32
+
+// The scores of this thread's SELECT_ITEMS tokens (-1 outside [s0, s1)). Issued before find_cut,
+// so the loads' latency overlaps the histogram scan.
+template <typename S>
+__device__ void load_items(const S* __restrict__ row, int s0, int s1, int* v) {
+    int t0 = s0 + (threadIdx.x >> 5) * 32 * SELECT_ITEMS + (threadIdx.x & 31);
+#pragma unroll
+    for (int j = 0; j < SELECT_ITEMS; ++j) v[j] = t0 + 32 * j < s1 ? (int)row[t0 + 32 * j] : -1;
+}
+
+// above + (ties << 16) of the items against the cut: a segment holds fewer than 65536 of each.
+__device__ int count_items(const int* v, int cut) {
+    int packed = 0;
+#pragma unroll
+    for (int j = 0; j < SELECT_ITEMS; ++j) packed += (v[j] > cut) + ((v[j] == cut) << 16);
+    return packed;
+}
 
 // grid (x: segments of `seg` tokens of [lo, hi), y: head): per segment, how many tokens score
 // above the cut and how many score exactly the cut, into seg_counts[h, segment] = {above, ties}.
-extern "C" __global__ void select_count(const int* __restrict__ scores, long long score_stride,
-                                        int lo, int hi, int seg, const int* __restrict__ hist,
-                                        int bins, int r, int* __restrict__ seg_counts) {
-    int h = blockIdx.y, cut, ties;
+template <typename S>
+__global__ void select_count(const S* __restrict__ scores, long long score_stride, int lo, int hi,
+                             int seg, const int* __restrict__ hist, int bins, int r,
+                             int* __restrict__ seg_counts) {
+    int h = blockIdx.y, cut, ties, total;
+    int s0 = lo + blockIdx.x * seg, v[SELECT_ITEMS];
+    load_items(scores + h * score_stride, s0, min(hi, s0 + seg), v);
     find_cut(hist + (long long)h * bins, bins, r, &cut, &ties);
-    int s0 = lo + blockIdx.x * seg, s1 = min(hi, s0 + seg);
-    int t0 = s0 + threadIdx.x * SELECT_ITEMS;
-    const int* row = scores + h * score_stride;
-    int packed = 0;  // above + (ties << 16): a segment holds fewer than 65536 of each
-#pragma unroll
-    for (int j = 0; j < SELECT_ITEMS; ++j) {
-        int s = t0 + j < s1 ? row[t0 + j] : -1;
-        packed += (s > cut) + ((s == cut) << 16);
-    }
-    int total;
-    block_exclusive_scan(packed, &total);
+    block_exclusive_scan(count_items(v, cut), &total);
     if (threadIdx.x == 0) {
         int* c = seg_counts + ((long long)h * gridDim.x + blockIdx.x) * 2;
         c[0] = total & 0xffff;
@@ -206,26 +220,19 @@ extern "C" __global__ void select_count(const int* __restrict__ scores, long lon
 // grid (x: segments, y: head): ordered compaction. A token scoring above the cut, or scoring
 // the cut with fewer than `ties` equal tokens before it, goes to position
 // #(above before it) + min(#(ties before it), ties) of the retrieved part of out[h]; the
-// counts before the segment are summed from seg_counts, those before a thread's run come from
-// one block scan, and each thread walks its run in order. Segment 0 also writes the forced
-// indices: out[h, :sinks_end] = 0.., out[h, sinks_end + r:] = window_start..n-1.
-extern "C" __global__ void select_write(const int* __restrict__ scores, long long score_stride,
-                                        int n, int sinks_end, int window_start, int seg,
-                                        const int* __restrict__ hist, int bins, int r,
-                                        const int* __restrict__ seg_counts, int* __restrict__ out,
-                                        int out_stride) {
+// counts before the segment are summed from seg_counts, those before a warp's run come from
+// one block scan, and within the run each item's ballots rank the lanes. Segment 0 also writes
+// the forced indices: out[h, :sinks_end] = 0.., out[h, sinks_end + r:] = window_start..n-1.
+template <typename S>
+__global__ void select_write(const S* __restrict__ scores, long long score_stride, int n,
+                             int sinks_end, int window_start, int seg, const int* __restrict__ hist,
+                             int bins, int r, const int* __restrict__ seg_counts,
+                             int* __restrict__ out, int out_stride) {
     int h = blockIdx.y, cut, ties, total;
+    int s0 = sinks_end + blockIdx.x * seg, v[SELECT_ITEMS];
+    load_items(scores + h * score_stride, s0, min(window_start, s0 + seg), v);
     find_cut(hist + (long long)h * bins, bins, r, &cut, &ties);
-    int s0 = sinks_end + blockIdx.x * seg, s1 = min(window_start, s0 + seg);
-    int t0 = s0 + threadIdx.x * SELECT_ITEMS;
-    const int* scored = scores + h * score_stride;
-    int v[SELECT_ITEMS];
-    int mine = 0;
-#pragma unroll
-    for (int j = 0; j < SELECT_ITEMS; ++j) {  // issued before the scans below, so their latency overlaps
-        v[j] = t0 + j < s1 ? scored[t0 + j] : -1;
-        mine += (v[j] > cut) + ((v[j] == cut) << 16);
-    }
+    int mine = count_items(v, cut);
     const int* c = seg_counts + (long long)h * gridDim.x * 2;
     int above_sum = 0, ties_sum = 0;
     for (int i = threadIdx.x; i < (int)blockIdx.x; i += blockDim.x) {
@@ -242,17 +249,21 @@ extern "C" __global__ void select_write(const int* __restrict__ scores, long lon
         for (int t = window_start + threadIdx.x; t < n; t += blockDim.x)
             row[sinks_end + r + t - window_start] = t;
     }
-    int before = block_exclusive_scan(mine, &total);
-    int a = above_before + (before & 0xffff), e = ties_before + (before >> 16);
+    int lane = threadIdx.x & 31;
+    int warp_before = __shfl_sync(FULL_MASK, block_exclusive_scan(mine, &total), 0);  // lane 0: the warp's run
+    int a = above_before + (warp_before & 0xffff), e = ties_before + (warp_before >> 16);
+    unsigned lower = (1u << lane) - 1u;  // the lanes before this one
+    int t = s0 + (threadIdx.x >> 5) * 32 * SELECT_ITEMS + lane;
 #pragma unroll
-    for (int j = 0; j < SELECT_ITEMS; ++j) {
-        if (v[j] > cut) {
-            row[sinks_end + a + min(e, ties)] = t0 + j;
-            ++a;
-        } else if (v[j] == cut) {
-            if (e < ties) row[sinks_end + a + e] = t0 + j;
-            ++e;
-        }
+    for (int j = 0; j < SELECT_ITEMS; ++j, t += 32) {
+        unsigned above = __ballot_sync(FULL_MASK, v[j] > cut), tied = __ballot_sync(FULL_MASK, v[j] == cut);
+        int ra = a + __popc(above & lower), re = e + __popc(tied & lower);
+        if (v[j] > cut)
+            row[sinks_end + ra + min(re, ties)] = t;
+        else if (v[j] == cut && re < ties)
+            row[sinks_end + ra + re] = t;
+        a += __popc(above);
+        e += __popc(tied);
     }
 }
 
@@ -264,13 +275,14 @@ extern "C" __global__ void select_write(const int* __restrict__ scores, long lon
 // outside the ranges hold 0 and, with >= r tokens scanned per head, never reach the cut) and adds
 // each scanned score + 1 to hist (Hkv, bins), bins = G * W * 64 + 2. Ranges: (Hkv, slots) int64,
 // range_count (Hkv,) int64. select_count / select_write then run unchanged on these scores.
-extern "C" __global__ void range_scores(const u64* __restrict__ q, const u64* __restrict__ k,
-                                        const long long* __restrict__ range_lo,
-                                        const long long* __restrict__ range_hi,
-                                        const long long* __restrict__ range_count, int slots, int split,
-                                        int* __restrict__ scores, long long score_stride,
-                                        long long capacity, int group, int words,
-                                        int* __restrict__ hist, int bins) {
+template <typename S>
+__global__ void range_scores(const u64* __restrict__ q, const u64* __restrict__ k,
+                             const long long* __restrict__ range_lo,
+                             const long long* __restrict__ range_hi,
+                             const long long* __restrict__ range_count, int slots, int split,
+                             S* __restrict__ scores, long long score_stride,
+                             long long capacity, int group, int words,
+                             int* __restrict__ hist, int bins) {
     extern __shared__ u64 shared[];
     u64* qs = shared;
     int* hs = (int*)(shared + group * words);
@@ -289,10 +301,27 @@ extern "C" __global__ void range_scores(const u64* __restrict__ q, const u64* __
             u64 x = kh[w * capacity + t];
             for (int g = 0; g < group; ++g) s += __popcll(qs[g * words + w] ^ x);
         }
-        scores[h * score_stride + t] = s;
+        scores[h * score_stride + t] = (S)s;
         atomicAdd(&hs[s], 1);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < bins; i += blockDim.x)
         if (hs[i]) atomicAdd(&hist[(long long)h * bins + i], hs[i]);
 }
+
+// ---------------------------------------------------------------------------------- instantiations
+
+// Every template kernel for both score types, so `nvcc -cubin` builds them all (CuPy names them
+// to NVRTC through kernels/cuda.py's NAME_EXPRESSIONS).
+#define SCORE_KERNELS(S)                                                                          \
+    template __global__ void hamming_scores<S>(const u64*, const u64*, S*, int, long long,         \
+                                               long long, int, int, int*, int, int, int);          \
+    template __global__ void select_count<S>(const S*, long long, int, int, int, const int*, int,  \
+                                             int, int*);                                           \
+    template __global__ void select_write<S>(const S*, long long, int, int, int, int, const int*,  \
+                                             int, int, const int*, int*, int);                     \
+    template __global__ void range_scores<S>(const u64*, const u64*, const long long*,             \
+                                             const long long*, const long long*, int, int, S*,     \
+                                             long long, long long, int, int, int*, int);
+SCORE_KERNELS(int)
+SCORE_KERNELS(unsigned short)
