@@ -488,6 +488,7 @@ def warm_up(engine) -> float:
     """One short prefill + decode on a throwaway context; the seconds it took. With Spotlight
     the decode also runs once through the sparse path (`_warm_up_sparse`)."""
     started = time.perf_counter()
+    engine.prefault_buffers()  # the first resume's K/V memory, mapped in now rather than then
     ids = engine.encode("Warm up.") or [0]
     sampling = SamplingConfig(max_new_tokens=_WARM_UP_TOKENS)
     for _ in engine.stream(engine.new_context(len(ids) + _WARM_UP_TOKENS), ids, sampling):

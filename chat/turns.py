@@ -82,7 +82,8 @@ class TurnRunner:
         prompt = self.renderer.prompt(plan.conversation)
         closed = False
         with self.gate.hold(plan.session_id):
-            capacity = len(prompt) + self.sampling.max_new_tokens + _END_OF_TURN_ROOM
+            # the decode loop stops at the model's window, so no room beyond it is needed up front
+            capacity = min(len(prompt) + self.sampling.max_new_tokens + _END_OF_TURN_ROOM, self.engine.max_context)
             prepared = self._prepare(plan.session_id, plan.conversation, prompt, cancel, capacity)
             self._report_restore(turn, prepared.restored)
             prepared.context.cache.reserve(capacity)

@@ -20,6 +20,9 @@ for host-memory codes (bound here), and `truncate` truncates them with the rows.
 """
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
 import torch
 
@@ -34,20 +37,100 @@ def kv_cache_shape(args: ModelArgs, capacity: int) -> tuple[int, int, int, int]:
     return (args.n_layers, args.n_kv_heads, capacity, args.head_dim)
 
 
+def kv_buffer_bytes(args: ModelArgs, dtype: torch.dtype, capacity: int) -> int:
+    """Bytes of one of K or V for `capacity` tokens, rounded up as KVCache allocates them (0 for 0)."""
+    rounded = -(-capacity // _GROW_ROUND) * _GROW_ROUND
+    return int(np.prod(kv_cache_shape(args, rounded))) * torch.empty((), dtype=dtype).element_size()
+
+
 def code_cache_shape(args: ModelArgs, words: int, capacity: int) -> tuple[int, int, int, int]:
     """(L, Hkv, W, Ncap): key codes, word-major so a scan reads each word plane contiguously."""
     return (args.n_layers, args.n_kv_heads, words, capacity)
 
 
-class KVCache:
-    """Keys, values and (optionally) packed key codes of one conversation."""
+class BufferPool:
+    """Host memory for K/V buffers that is already mapped in, kept when a cache is dropped.
 
-    def __init__(self, args: ModelArgs, capacity: int, *, dtype=torch.float32, device="cpu", code_words: int = 0):
+    A fresh allocation of an 8K-token cache (2 x 189 MB for SmolLM2 in fp32) is only reserved
+    address space: the first write of each 4 KiB page faults and zeroes it, which cost ~70 ms of
+    every resume's time to first token (docs/DECISIONS.md, "Persistence"). A cache made with a
+    pool takes a kept buffer when one fits and gives its buffers back when it is garbage
+    collected (so no live cache ever shares memory); `prefault` fills the pool ahead of time.
+
+    Buffers are untyped storages; a cache's tensors are set on them (no autograd view of a
+    shared base tensor, so nothing ties their lifetimes together). `take(n)` returns one of >= n bytes, and at most twice n (a
+    short context does not hold a long one's buffer), or None. At most `max_bytes` are kept, in
+    buffers of at least a quarter of it (a short context's pages are cheap to fault in, and must
+    not push out a long one's); the smallest go first. Thread-safe: caches die on whichever
+    thread drops them last.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: list[torch.UntypedStorage] = []
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def take(self, nbytes: int) -> torch.UntypedStorage | None:
+        with self._lock:
+            fits = [b for b in self._free if nbytes <= b.nbytes() <= 2 * nbytes and _unshared(b)]
+            if not fits:
+                self.misses += 1
+                return None
+            buffer = min(fits, key=torch.UntypedStorage.nbytes)
+            self._free = [b for b in self._free if b is not buffer]
+            self.hits += 1
+            return buffer
+
+    def give(self, buffer: torch.UntypedStorage) -> None:
+        if not self.max_bytes // 4 <= buffer.nbytes() <= self.max_bytes:
+            return
+        with self._lock:
+            self._free.append(buffer)
+            while sum(b.nbytes() for b in self._free) > self.max_bytes:
+                self._free.remove(min(self._free, key=torch.UntypedStorage.nbytes))
+
+    def prefault(self, nbytes: int, count: int) -> None:
+        """Add `count` buffers of `nbytes`, every page written once now (not on first use)."""
+        for _ in range(count):
+            self.give(torch.UntypedStorage(nbytes).fill_(0))
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes() for b in self._free)
+
+
+def _unshared(buffer: torch.UntypedStorage) -> bool:
+    """No tensor uses the storage any more (a view of a dropped cache's K, kept by someone,
+    keeps the buffer out of reuse). NOTE: torch has no public storage use count; the private
+    one is used where it exists (1 = the pool's own reference)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is None or use_count(buffer._cdata) <= 1
+
+
+def _give_back(pool: BufferPool, buffers: list[torch.UntypedStorage]) -> None:
+    for buffer in buffers:
+        pool.give(buffer)
+
+
+class KVCache:
+    """Keys, values and (optionally) packed key codes of one conversation.
+
+    With a `pool` (host caches only), K and V live in pooled buffers: taken when they fit,
+    returned to the pool when this cache is garbage collected."""
+
+    def __init__(self, args: ModelArgs, capacity: int, *, dtype=torch.float32, device="cpu", code_words: int = 0,
+                 pool: BufferPool | None = None):
         self.args = args
         self.dtype = dtype
         self.device = torch.device(device)
         self.code_words = code_words
         self.length = 0
+        self._pool = pool if self.device.type == "cpu" else None
+        self._pooled: list[torch.UntypedStorage] = []  # the storages of k and v, given back at collection
+        if self._pool is not None:
+            weakref.finalize(self, _give_back, self._pool, self._pooled)
         self._allocate(max(capacity, 1))
         self.segments = SegmentTable()
         if isinstance(self.codes, np.ndarray):
@@ -58,8 +141,8 @@ class KVCache:
         shape = kv_cache_shape(self.args, capacity)
         # NOTE: uninitialised: only rows [0, length) are ever read, and zero-filling an 8K cache
         # (380 MB) took ~70 ms of every resume's time to first token.
-        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)  # (L, Hkv, Ncap, D)
-        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)  # (L, Hkv, Ncap, D)
+        self.k = self._empty(shape)  # (L, Hkv, Ncap, D)
+        self.v = self._empty(shape)  # (L, Hkv, Ncap, D)
         self.codes = None
         if self.code_words:
             code_shape = code_cache_shape(self.args, self.code_words, capacity)
@@ -67,6 +150,17 @@ class KVCache:
                 self.codes = np.zeros(code_shape, dtype=np.uint64)  # (L, Hkv, W, Ncap)
             else:
                 self.codes = torch.zeros(code_shape, dtype=torch.int64, device=self.device)  # the same bits
+
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialised tensor, from a pooled buffer when one fits (then kept in _pooled)."""
+        if self._pool is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
+        buffer = self._pool.take(nbytes)
+        if buffer is None:
+            buffer = torch.UntypedStorage(nbytes)
+        self._pooled.append(buffer)
+        return torch.empty(0, dtype=self.dtype).set_(buffer, 0, shape)
 
     @property
     def capacity(self) -> int:
@@ -77,7 +171,9 @@ class KVCache:
         if n_tokens <= self.capacity:
             return
         old_k, old_v, old_codes, n = self.k, self.v, self.codes, self.length
+        outgrown = len(self._pooled)
         self._allocate(max(n_tokens, 2 * self.capacity))
+        del self._pooled[:outgrown]  # freed with old_k / old_v, never pooled: a view of them may live on
         self.k[:, :, :n].copy_(old_k[:, :, :n])
         self.v[:, :, :n].copy_(old_v[:, :, :n])
         if old_codes is not None:

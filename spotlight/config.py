@@ -231,10 +231,15 @@ class EngineConfig:
     # 2 threads decoded 1.3x faster (docs/DECISIONS.md, "Engine").
     kernel_threads: int = 1
     encoder_path: str | None = None  # Spotlight encoder checkpoint; None: the shipped one if it matches
+    # Host K/V memory kept mapped in for one cache of this many tokens (spotlight/cache.py BufferPool),
+    # so a resume does not fault in fresh pages; None: the model's window, at most 32768; 0: off.
+    kv_pool_tokens: int | None = None
 
     def __post_init__(self):
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < 0:
+            raise ValueError(f"kv_pool_tokens must be >= 0 (0 turns the pool off), got {self.kv_pool_tokens}")
         if self.kernel_threads < 1:
             raise ValueError(f"kernel_threads must be >= 1, got {self.kernel_threads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

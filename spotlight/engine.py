@@ -11,7 +11,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +21,7 @@ import kernels
 
 from . import loading
 from .attention import CodeSelector, DenseDecode, SpotlightDecode
-from .cache import KVCache
+from .cache import BufferPool, KVCache, kv_buffer_bytes
 from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
 from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
 from .hashing import EncoderSpec, Encoders, load_encoders
@@ -31,6 +31,7 @@ from .tokens import SegmentEncoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INITIAL_CAPACITY = 1024  # tokens; the cache grows geometrically beyond this
+_POOL_TOKENS_MAX = 32768  # the default buffer pool covers the model's window up to this many tokens
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # shipped encoder checkpoints
 log = logging.getLogger("spotlight")
 
@@ -45,6 +46,7 @@ class Engine:
     policy: object
     load_seconds: float = 0.0
     warnings: tuple[str, ...] = ()
+    buffers: BufferPool = field(default_factory=lambda: BufferPool(0))  # kept K/V memory (KVCache)
 
     @classmethod
     def load(cls, config: EngineConfig, home: Path, spotlight: SpotlightConfig | None = None) -> "Engine":
@@ -68,7 +70,9 @@ class Engine:
             policy = SpotlightDecode(spotlight, CodeSelector(encoders.to(config.device)))
         for warning in warnings:
             log.warning(warning)
-        return cls(config, args, model, tokenizer, source, policy, time.perf_counter() - started, tuple(warnings))
+        buffers = BufferPool(2 * kv_buffer_bytes(args, _DTYPES[config.dtype], _pool_tokens(config, args)))
+        return cls(config, args, model, tokenizer, source, policy, time.perf_counter() - started, tuple(warnings),
+                   buffers)
 
     @property
     def max_context(self) -> int:
@@ -89,8 +93,14 @@ class Engine:
 
     def new_context(self, capacity: int = _INITIAL_CAPACITY) -> Context:
         cache = KVCache(self.args, capacity, dtype=self.model.tok_embeddings.weight.dtype,
-                        device=self.config.device, code_words=self.policy.code_words)
+                        device=self.config.device, code_words=self.policy.code_words, pool=self.buffers)
         return Context(cache)
+
+    def prefault_buffers(self) -> None:
+        """Fill the buffer pool now with one cache's K and V for `kv_pool_tokens` tokens, every
+        page written once, so the next long context (a resume) does not fault them in."""
+        if self.config.device == "cpu" and self.buffers.max_bytes:
+            self.buffers.prefault(self.buffers.max_bytes // 2, 2)
 
     @functools.cached_property
     def segments(self) -> SegmentEncoder:
@@ -125,6 +135,13 @@ class Engine:
             eos_ids=self.eos_ids, max_context=self.max_context, chunk=self.config.prefill_chunk,
             cancel=cancel, progress=progress,
         )
+
+
+def _pool_tokens(config: EngineConfig, args: ModelArgs) -> int:
+    """Tokens of the cache the buffer pool keeps memory for (0: no pool; host caches only)."""
+    if config.device != "cpu":
+        return 0
+    return min(args.max_seq_len, _POOL_TOKENS_MAX) if config.kv_pool_tokens is None else config.kv_pool_tokens
 
 
 def find_encoders(args: ModelArgs, fingerprint: str, bits: int, path: str | None) -> tuple[Encoders, list[str]]:

@@ -104,6 +104,74 @@ def test_cache_grows_truncates_and_extends():
         cache.truncate(41)
 
 
+def test_buffer_pool_keeps_fitting_buffers_and_drops_the_smallest_first():
+    from spotlight.cache import BufferPool
+
+    pool = BufferPool(max_bytes=1000)
+    a, b, c = (torch.UntypedStorage(n) for n in (400, 300, 500))
+    pool.give(torch.UntypedStorage(100))  # under a quarter of max_bytes: not worth keeping
+    pool.give(torch.UntypedStorage(1001))  # over max_bytes
+    assert pool.kept_bytes == 0
+    for buffer in (a, b, c):
+        pool.give(buffer)
+    assert pool.kept_bytes == 900  # 400 + 300 + 500 > 1000: the smallest (300) went
+    assert pool.take(600) is None  # nothing of >= 600 bytes
+    assert pool.take(199) is None  # 400 and 500 are more than twice 199
+    assert pool.take(450) is c and pool.take(450) is None  # the smallest fit, taken once
+    assert pool.take(399) is a
+    assert (pool.hits, pool.misses, pool.kept_bytes) == (2, 3, 0)
+
+
+def test_pooled_cache_reuses_a_dropped_caches_memory_and_computes_the_same():
+    import gc
+
+    from spotlight.cache import BufferPool, kv_buffer_bytes
+
+    _, ours = tiny_pair("llama", seed=5)
+    ids = torch.randint(0, 211, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    pool = BufferPool(2 * kv_buffer_bytes(ours.args, torch.float32, 64))
+    pool.prefault(pool.max_bytes // 2, 2)
+    first = KVCache(ours.args, 64, pool=pool)
+    assert pool.kept_bytes == 0 and first.k.untyped_storage().nbytes() == pool.max_bytes // 2
+    with torch.inference_mode():
+        ours(torch.tensor(ids[::-1]), first, DenseDecode())  # other rows in the memory
+    pointers = {first.k.data_ptr(), first.v.data_ptr()}
+    held = first.k[0]  # a view that outlives its cache keeps that buffer out of reuse
+    del first
+    gc.collect()
+    assert pool.kept_bytes == pool.max_bytes
+    second = KVCache(ours.args, 64, pool=pool)
+    assert len({second.k.data_ptr(), second.v.data_ptr()} & pointers) == 1  # the unshared buffer + a fresh one
+    pointers |= {second.k.data_ptr(), second.v.data_ptr()}
+    del held, second
+    gc.collect()
+    hits = pool.hits
+    reused, fresh = KVCache(ours.args, 64, pool=pool), KVCache(ours.args, 64)
+    assert pool.hits == hits + 2 and {reused.k.data_ptr(), reused.v.data_ptr()} <= pointers
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(torch.tensor(ids), reused, DenseDecode(), all_logits=True),
+                                   ours(torch.tensor(ids), fresh, DenseDecode(), all_logits=True), rtol=0, atol=0)
+    kept = pool.kept_bytes
+    reused.reserve(600)  # grown: its old buffers are freed, not pooled (views of them may live on) ...
+    del reused
+    gc.collect()
+    assert pool.kept_bytes == kept  # ... and its new ones are too large for this pool
+
+
+def test_buffer_pool_size_follows_the_config():
+    from spotlight.config import EngineConfig
+    from spotlight.engine import _pool_tokens
+
+    _, ours = tiny_pair("llama", seed=0)
+    window = ours.args.max_seq_len
+    assert _pool_tokens(EngineConfig(), ours.args) == min(window, 32768)
+    assert _pool_tokens(EngineConfig(kv_pool_tokens=0), ours.args) == 0
+    assert _pool_tokens(EngineConfig(kv_pool_tokens=300), ours.args) == 300
+    assert _pool_tokens(EngineConfig(device="cuda"), ours.args) == 0  # host caches only
+    with pytest.raises(ValueError, match="kv_pool_tokens must be >= 0"):
+        EngineConfig(kv_pool_tokens=-1)
+
+
 def test_rope_llama3_scaling_changes_only_long_wavelengths():
     from spotlight.config import ModelArgs, RopeScaling
 
