@@ -48,7 +48,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     m.add_argument("--kernel-threads", type=int, default=1,
                    help="threads of the decode kernels (default: 1; 2 decoded 1.3x faster on an idle 2-core machine)")
-    m.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk (default: 512)")
+    m.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+                   help=f"tokens per prefill chunk (default: {EngineConfig.prefill_chunk})")
     a = p.add_argument_group("Spotlight attention")
     a.add_argument("--no-spotlight", action="store_true", help="decode with dense attention over every cached token")
     a.add_argument("--ratio", type=float, default=SpotlightConfig.ratio,

@@ -60,9 +60,9 @@ class BufferPool:
     Buffers are untyped storages; a cache's tensors are set on them (no autograd view of a
     shared base tensor, so nothing ties their lifetimes together). `take(n)` returns one of >= n bytes, and at most twice n (a
     short context does not hold a long one's buffer), or None. At most `max_bytes` are kept, in
-    buffers of at least a quarter of it (a short context's pages are cheap to fault in, and must
-    not push out a long one's); the smallest go first. Thread-safe: caches die on whichever
-    thread drops them last.
+    buffers of at least 1/64 of it; over the budget the smallest go first, so a short context's
+    buffers never push out a long one's. Thread-safe: caches die on whichever thread drops
+    them last.
     """
 
     def __init__(self, max_bytes: int):
@@ -83,7 +83,7 @@ class BufferPool:
             return buffer
 
     def give(self, buffer: torch.UntypedStorage) -> None:
-        if not self.max_bytes // 4 <= buffer.nbytes() <= self.max_bytes:
+        if not self.max_bytes // 64 <= buffer.nbytes() <= self.max_bytes:
             return
         with self._lock:
             self._free.append(buffer)

