@@ -18,7 +18,7 @@ random token ids with random K/V (and random key codes with --spotlight) of the 
 exact shapes, stored through the store like real ones. Resume = `SpanCache.restore` (the
 code path `send()` uses: chain, pin, checksum, token check, load) + one decode step, in
 a new process (median of three). Recompute: measured for real in full mode (32K random
-tokens prefilled in 512-token chunks, then one step); in --quick mode *estimated* from
+tokens prefilled in the engine's chunks, then one step); in --quick mode *estimated* from
 the 8K recompute measured above, scaled quadratically in the context length.
 
 Span files sit in the page cache right after being written (a warm-disk resume).
@@ -276,7 +276,8 @@ def main(argv=None) -> int:
         + (f"Its recompute is **estimated** from the 8K recompute measured above, scaled quadratically "
            f"(x{(LONG / real['context']) ** 2:.1f}; linear scaling would give x{LONG / real['context']:.1f}, "
            "i.e. a 4x smaller speedup)." if args.quick
-           else "Its recompute was measured (32K random tokens prefilled in 512-token chunks + one step).")
+           else f"Its recompute was measured (32K random tokens prefilled in {engine.config.prefill_chunk}-token "
+                "chunks + one step).")
         + f" Load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
         f"{os.cpu_count()} cores: other jobs share this machine, and short timings (resume) suffer "
         "more from that than long ones (recompute)."
