@@ -153,12 +153,12 @@ class KVCache:
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialised tensor, from a pooled buffer when one fits (then kept in _pooled)."""
-        if self._pool is None:
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
+        if self._pool is None or nbytes > self._pool.max_bytes:  # a buffer the pool would never keep
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
         buffer = self._pool.take(nbytes)
-        if buffer is None:
-            buffer = torch.UntypedStorage(nbytes)
+        if buffer is None:  # NOTE: allocated as torch.empty allocates, uninitialised
+            buffer = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
         self._pooled.append(buffer)
         return torch.empty(0, dtype=self.dtype).set_(buffer, 0, shape)
 
