@@ -53,16 +53,16 @@ class BufferPool:
 
     A fresh allocation of an 8K-token cache (2 x 189 MB for SmolLM2 in fp32) is only reserved
     address space: the first write of each 4 KiB page faults and zeroes it, which cost ~70 ms of
-    every resume's time to first token (docs/DECISIONS.md, "Persistence"). A cache made with a
-    pool takes a kept buffer when one fits and gives its buffers back when it is garbage
-    collected (so no live cache ever shares memory); `prefault` fills the pool ahead of time.
+    every resume's time to first token (docs/DECISIONS.md, "Engine"). A cache made with a pool
+    takes a kept buffer when one fits and gives its buffers back when it is garbage collected
+    (so no live cache ever shares memory); `prefault` fills the pool ahead of time.
 
     Buffers are untyped storages; a cache's tensors are set on them (no autograd view of a
-    shared base tensor, so nothing ties their lifetimes together). `take(n)` returns one of >= n bytes, and at most twice n (a
-    short context does not hold a long one's buffer), or None. At most `max_bytes` are kept, in
-    buffers of at least 1/64 of it; over the budget the smallest go first, so a short context's
-    buffers never push out a long one's. Thread-safe: caches die on whichever thread drops
-    them last.
+    shared base tensor, so nothing ties their lifetimes together). `take(n)` returns one of
+    >= n bytes, and at most twice n (a short context does not hold a long one's buffer), or
+    None. At most `max_bytes` are kept, in buffers of at least 1/64 of it; over the budget the
+    smallest go first, so a short context's buffers never push out a long one's. Thread-safe:
+    caches die on whichever thread drops them last.
     """
 
     def __init__(self, max_bytes: int):

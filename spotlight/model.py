@@ -131,7 +131,9 @@ class Attention(nn.Module):
         return self.wo(out.transpose(0, 1).reshape(out.shape[1], -1))  # (T or 1, E)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """q (H, T, D) for the last T of N positions; k, v (Hkv, N, D). Returns (H, T, D).
 
     mask: `prefill_mask(T, N - T, ...)`, built once per forward and shared by the layers (made
