@@ -40,7 +40,7 @@ def kv_cache_shape(args: ModelArgs, capacity: int) -> tuple[int, int, int, int]:
 def kv_buffer_bytes(args: ModelArgs, dtype: torch.dtype, capacity: int) -> int:
     """Bytes of one of K or V for `capacity` tokens, rounded up as KVCache allocates them (0 for 0)."""
     rounded = -(-capacity // _GROW_ROUND) * _GROW_ROUND
-    return int(np.prod(kv_cache_shape(args, rounded))) * torch.empty((), dtype=dtype).element_size()
+    return int(np.prod(kv_cache_shape(args, rounded))) * dtype.itemsize
 
 
 def code_cache_shape(args: ModelArgs, words: int, capacity: int) -> tuple[int, int, int, int]:
@@ -153,7 +153,7 @@ class KVCache:
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialised tensor, from a pooled buffer when one fits (then kept in _pooled)."""
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=self.dtype).element_size()
+        nbytes = int(np.prod(shape)) * self.dtype.itemsize
         if self._pool is None or nbytes > self._pool.max_bytes:  # a buffer the pool would never keep
             return torch.empty(shape, dtype=self.dtype, device=self.device)
         buffer = self._pool.take(nbytes)

@@ -136,7 +136,7 @@ def causal_attention(
 ) -> torch.Tensor:
     """q (H, T, D) for the last T of N positions; k, v (Hkv, N, D). Returns (H, T, D).
 
-    mask: `prefill_mask(T, N - T, ...)`, built once per forward and shared by the layers (made
+    mask: `chunk_mask(q, T, N - T)`, built once per forward and shared by the layers (made
     here when not given); not needed when the T tokens are the whole sequence, nor by the
     split path (`_split_attention`) that fp32 chunks on the CPU take."""
     T, N = q.shape[1], k.shape[1]
@@ -146,8 +146,7 @@ def causal_attention(
     elif splits_chunks(q):
         return _split_attention(q, k, v, past)
     else:
-        if mask is None:
-            mask = prefill_mask(T, past, q.dtype, q.device)
+        mask = chunk_mask(q, T, past) if mask is None else mask
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
     return out[0]  # (H, T, D)
 
@@ -183,6 +182,14 @@ def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     top = torch.maximum(lse_past, lse_own)
     w_past, w_own = torch.exp(lse_past - top), torch.exp(lse_own - top)  # (H, T, 1)
     return (out_past.reshape(H, T, D) * w_past + out_own[0] * w_own) / (w_past + w_own)  # (H, T, D)
+
+
+def chunk_mask(x: torch.Tensor, T: int, past: int) -> torch.Tensor | None:
+    """The mask `causal_attention` needs for T tokens of x's dtype and device after `past` cached
+    ones: None for a single token, a first chunk (`is_causal`) or a split chunk, else prefill_mask."""
+    if T == 1 or past == 0 or splits_chunks(x):
+        return None
+    return prefill_mask(T, past, x.dtype, x.device)
 
 
 def prefill_mask(T: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -267,8 +274,7 @@ class Transformer(nn.Module):
         self.setup_rope(cache.capacity)
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, D)
         x = self.tok_embeddings(tokens)  # (T, E)
-        masked = T > 1 and start > 0 and not splits_chunks(x)
-        mask = prefill_mask(T, start, x.dtype, x.device) if masked else None  # (T, start + T); see causal_attention
+        mask = chunk_mask(x, T, start)  # (T, start + T) or None, built once for every layer
         last = len(self.layers) - 1
         for i, block in enumerate(self.layers):
             # Only the last position's logits are wanted: the last layer's attention output and MLP
