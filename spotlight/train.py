@@ -42,7 +42,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -74,11 +74,14 @@ class TrainConfig:
     stride: int = 8  # a query is recorded at every stride-th position
     max_position: int = 0  # > seq_len: shift each step's q and k to random positions below this (RoPE)
     min_query: int = 512  # first recorded query position (shorter prefixes have few keys to rank)
-    steps: int = 1200  # per layer group
-    queries: int = 128  # Q
+    steps: int = 2400  # per layer group
+    queries: int = 64  # Q
     tops: int = 8  # P
-    others: int = 400  # R
+    others: int = 200  # R
     hard_others: int = 8  # Ph
+    # Pm: per query, the keys its current sign codes rank highest outside its top set and near misses (sweep in
+    # docs/DECISIONS.md: with them, more steps keep paying where random others had stopped)
+    mined_others: int = 32
     gamma: float = 64.0
     gamma_start: float | None = None  # anneal gamma geometrically from this to `gamma` (None: constant)
     # loss scale: -log sigmoid(beta * (S_top - S_other)), S in (soft) matching bits summed over the
@@ -108,8 +111,13 @@ class TrainConfig:
                              f"tokens after position {self.min_query}; raise --seq-len or lower --queries")
         if min(self.steps, self.sequences, self.queries, self.tops, self.others, self.stride) < 1:
             raise ValueError("steps, sequences, queries, tops, others and stride must be >= 1")
-        if self.group < 0 or self.hard_others < 0:
-            raise ValueError("group and hard_others must be >= 0")
+        if self.group < 0 or self.hard_others < 0 or self.mined_others < 0:
+            raise ValueError("group, hard_others and mined_others must be >= 0")
+        first = self.min_query + 1  # tokens the first recorded query sees
+        minable = first - self.window - self.sinks - _HARD_SPAN * int(self.top_count(torch.tensor(first)))
+        if self.mined_others > minable:
+            raise ValueError(f"--mined-others {self.mined_others} exceeds the {minable} keys the first query at "
+                             f"position {self.min_query} has outside its top set and near misses; lower it")
 
     @property
     def ranked(self) -> int:
@@ -232,10 +240,12 @@ def memory_estimate(args: ModelArgs, config: TrainConfig, n_layers: int) -> dict
     Pn = (T - 1 - config.min_query) // config.stride
     data = config.sequences * L * (H * Pn * D * 2 + Hkv * T * D * 2 + Hkv * Pn * config.ranked * 4)
     recording = L * H * T * D * 2 + 2 * args.n_layers * Hkv * T * D * 4 + 4 * H * 128 * T * 4
-    Q, P, R, Ph = config.queries, config.tops, config.others, config.hard_others
-    tokens = Q * (P + Ph) + R  # keys encoded per (layer, KV head) and step
+    Q, P, R, Ph, Pm = config.queries, config.tops, config.others, config.hard_others, config.mined_others
+    tokens = Q * (P + Ph + Pm) + R  # keys encoded per (layer, KV head) and step
     step = L * 4 * (6 * Hkv * tokens * (C + D + config.width) + 6 * H * Q * (C + D + config.width)
-                    + 4 * Hkv * Q * P * (R + Ph)) + 2 * L * Hkv * Q * config.ranked * 8
+                    + 4 * Hkv * Q * P * (R + Ph + Pm)) + 2 * L * Hkv * Q * config.ranked * 8
+    if Pm:  # mining codes every key of the sequence and scores it against every query of the step
+        step += L * 4 * Hkv * T * (C + D + config.width) + L * 4 * 2 * Hkv * Q * T
     return {"data": data, "recording": recording, "step": step,
             "total": data + max(recording, step) + 700 * 2**20}  # + the model and the interpreter
 
@@ -374,6 +384,35 @@ def rope_shift(x: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Ten
     return x * cos + rotated * sin
 
 
+@torch.no_grad()
+def mine_others(query_mlp, key_mlp, data: QKData, batch: Batch, config: TrainConfig, device) -> torch.Tensor:
+    """(L, Hkv, Q, Pm) for each query of the batch: the middle keys its current sign codes rank
+    highest (group-summed matching bits, as the decode path ranks them) among those outside its
+    best 4m (its top set and the near misses just below it, which carry attention too), i.e. the
+    false positives of the codes as they stand.
+
+    Random others are mostly keys the codes already rank low; recall@k is lost to the few
+    that outrank a top key, and these are they.
+    """
+    q = data.q[batch.seq][:, :, batch.query].float().to(device)  # (L, H, Q, D)
+    k = data.k[batch.seq].float().to(device)  # (L, Hkv, T, D)
+    if batch.shift:
+        q, k = rope_shift(q, batch.shift, data.inv_freq), rope_shift(k, batch.shift, data.inv_freq)
+    L, H, Q, _ = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    sq = torch.sign(query_mlp(q)).view(L, Hkv, H // Hkv, Q, -1).sum(2)  # (L, Hkv, Q, C)
+    scores = sq @ torch.sign(key_mlp(k)).transpose(-1, -2)  # (L, Hkv, Q, T)
+    last = data.positions[batch.seq, batch.query]  # (Q,) each query's own position n - 1
+    keys = torch.arange(T)
+    middle = (keys[None, :] >= config.sinks) & (keys[None, :] <= (last - config.window)[:, None])  # (Q, T)
+    scores = scores.masked_fill(~middle.to(device), float("-inf"))
+    ranked = data.ranked[batch.seq][:, :, batch.query].long()  # (L, Hkv, Q, M) best first
+    near = torch.arange(ranked.shape[-1]) < _HARD_SPAN * config.top_count(last + 1).view(-1, 1)  # (Q, M)
+    excluded = torch.where(near, ranked, ranked[..., :1])  # the far ranks repeat rank 0, excluded anyway
+    scores.scatter_(-1, excluded.to(device), float("-inf"))
+    return scores.topk(config.mined_others, dim=-1).indices.cpu()
+
+
 def gather_keys(k: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """k (L, Hkv, T, D), index (L, Hkv, ...) -> (L, Hkv, ..., D) fp32."""
     L, Hkv, T, D = k.shape
@@ -446,8 +485,11 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns per-layer loss and misordered rate (L,)."""
-        batch = sample_batch(self.data, self.config, self.generator)
         c = self.config
+        batch = sample_batch(self.data, c, self.generator)
+        if c.mined_others:
+            mined = mine_others(self.query, self.key, self.data, batch, c, self.device)  # (L, Hkv, Q, Pm)
+            batch = replace(batch, hard=torch.cat([batch.hard, mined], dim=-1))
         loss, misordered = batch_loss(self.query, self.key, self.data, batch, self.gamma(), self.device,
                                       c.beta, c.straight_through)
         self.optimizer.zero_grad(set_to_none=True)
@@ -754,6 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--others", type=int, default=d.others, help="other keys per step, shared (default %(default)s)")
     o.add_argument("--hard-others", type=int, default=d.hard_others,
                    help="other keys per query from the ranks just below its top set (default %(default)s)")
+    o.add_argument("--mined-others", type=int, default=d.mined_others,
+                   help="other keys per query that its current codes rank highest outside its top set and the "
+                        "near misses below it (default %(default)s)")
     o.add_argument("--group", type=int, default=d.group,
                    help="layers trained together; groups run one after another (default %(default)s; 0 = all)")
     o.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
@@ -831,7 +876,8 @@ def _main(args, argv: list[str]) -> int:
     config = TrainConfig(
         bits=args.bits, depth=0 if args.linear else args.depth, width=args.width, top_fraction=args.top_fraction,
         sinks=args.sinks, window=args.window, seq_len=args.seq_len, sequences=args.sequences, steps=args.steps,
-        queries=args.queries, tops=args.tops, others=args.others, hard_others=args.hard_others, seed=args.seed,
+        queries=args.queries, tops=args.tops, others=args.others, hard_others=args.hard_others,
+        mined_others=args.mined_others, seed=args.seed,
         init=args.init, init_scale=args.init_scale, gamma_start=args.gamma_start, group=args.group,
         beta=args.beta, straight_through=args.straight_through,
         max_position=margs.max_seq_len if args.max_position is None else args.max_position,

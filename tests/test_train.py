@@ -11,7 +11,7 @@ from spotlight.train import (LayerMLP, LayerwiseTraining, TrainConfig, check_mem
 
 # A tiny random model: 2 layers, 4 query / 2 KV heads, head dim 16, 512 positions.
 TINY = dict(seq_len=256, sequences=4, min_query=96, sinks=4, window=16, stride=2, top_fraction=0.05,
-            queries=32, tops=8, others=64, hard_others=0, bits=32, width=32, lr=1e-2,
+            queries=32, tops=8, others=64, hard_others=0, mined_others=0, bits=32, width=32, lr=1e-2,
             beta=1.0)  # 32-bit codes: the paper's scale shows progress within the few steps a test runs
 
 
@@ -274,3 +274,44 @@ def test_sampled_pairs_respect_the_top_sets(tiny):
     shared = batch.shared.view(1, 1, 1, -1).expand_as(batch.valid)
     assert torch.equal(batch.valid, ~in_top(shared)), "a shared key is a valid other exactly when it is no top key"
     assert bool((batch.shared < int(n[0]) - config.window).all()) and bool((batch.shared >= config.sinks).all())
+
+
+def test_mined_others_are_the_codes_best_keys_outside_the_near_and_forced_ones(tiny):
+    from spotlight.train import mine_others, sample_batch
+
+    model, data, _ = tiny
+    config = TrainConfig(**{**TINY, "mined_others": 5})
+    training = new_training(model, data, mined_others=5)
+    layers = data.layers
+    query, key = LayerMLP(training.encoders.query, layers), LayerMLP(training.encoders.key, layers)
+    batch = sample_batch(data, config, torch.Generator().manual_seed(0))
+    mined = mine_others(query, key, data, batch, config, "cpu")  # (L, Hkv, Q, Pm)
+    L, Hkv, Q, M = data.ranked[batch.seq][:, :, batch.query].shape
+    assert mined.shape == (L, Hkv, Q, 5)
+    # Brute force: every middle key outside the ranked M, scored by group-summed matching sign bits.
+    q = data.q[batch.seq][:, :, batch.query].float()  # (L, H, Q, D)
+    sq = torch.sign(query(q)).view(L, Hkv, -1, Q, config.bits).sum(2)  # (L, Hkv, Q, C)
+    sk = torch.sign(key(data.k[batch.seq].float()))  # (L, Hkv, T, C)
+    last = data.positions[batch.seq, batch.query]  # (Q,)
+    for layer in range(L):
+        for head in range(Hkv):
+            for i in range(Q):
+                near = 4 * int(config.top_count(last[i] + 1))  # the top set and the ranks just below it
+                ranked = set(data.ranked[batch.seq, layer, head, batch.query[i], :near].tolist())
+                allowed = [j for j in range(config.sinks, int(last[i]) - config.window + 1) if j not in ranked]
+                scores = {j: float(sq[layer, head, i] @ sk[layer, head, j]) for j in allowed}
+                picked = mined[layer, head, i].tolist()
+                assert len(set(picked)) == 5 and set(picked) <= set(allowed)
+                best_left_out = max(s for j, s in scores.items() if j not in picked)
+                assert min(scores[j] for j in picked) >= best_left_out
+
+
+def test_training_with_mined_others_runs_and_learns(tiny):
+    model, data, _ = tiny
+    history = new_training(model, data, steps=40, group=0, mined_others=4).run()
+    assert sum(history.loss[-10:]) < sum(history.loss[:10])
+
+
+def test_more_mined_others_than_the_first_query_can_have_is_refused():
+    with pytest.raises(ValueError, match="--mined-others 1000 exceeds the 405 keys"):
+        TrainConfig(mined_others=1000)
