@@ -217,3 +217,25 @@ def test_one_row_linear_equals_torch_and_keeps_autograd_path(bias):
     trained = layer(x)  # grad enabled: F.linear, so gradients flow
     trained.sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.shape == (23, 37)
+
+
+def test_one_row_linear_sees_weights_changed_in_place_and_replaced():
+    from spotlight.model import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(16, 8, bias=True).requires_grad_(False)
+    x = torch.randn(1, 16)
+
+    def check():
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                       rtol=1e-5, atol=1e-5)
+
+    check()  # the numpy views are made here
+    layer.weight.mul_(2.0)  # same memory: the views see it
+    check()
+    layer.load_state_dict({"weight": torch.randn(8, 16), "bias": torch.randn(8)})  # copied in place
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)  # new memory: views remade
+    layer.bias = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+    check()
