@@ -280,7 +280,8 @@ def retrieval_targets(rows, spot):
 
 def perplexity_targets(rows, spot, config):
     ratio = next(r["PPL / dense"] for r in rows if r["method"] == spot and r["budget"] == f"{config.ratio:.0%}")
-    return [Target(f"{spot}: perplexity through the decode path / dense", ratio, 1.01, higher_is_better=False)]
+    return [Target(f"{spot}: perplexity through the decode path / dense at the {config.ratio:.0%} budget", ratio, 1.01,
+                   higher_is_better=False)]
 
 
 def needle_targets(rows, spot, config):
