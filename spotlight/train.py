@@ -5,7 +5,7 @@
 Shape legend: S recorded sequences, L trained layers, H query heads, Hkv KV heads, G = H / Hkv,
 D head dim, C code bits, T sequence length, Pn recorded query positions per sequence, M ranked
 keys kept per query, Q queries per step, P top keys per query, R shared other keys per step,
-Ph hard other keys per query.
+Ph hard other keys per query, Pm mined other keys per query.
 
 The language model is frozen. Recording (once, cached on disk): a dense chunked prefill of each
 training sequence through a policy that keeps every trained layer's post-RoPE k, and q at every
@@ -21,6 +21,8 @@ trained layer at once (layers are independent; their parameters are batched on t
   drawn from it, plus Ph "hard" others from the ranks [m, 4m) if asked;
 - R other keys drawn once for the step from the middle every query of the block sees (as the
   paper shares one column subset across queries), minus each query's own top set;
+- Pm "mined" others per query (`mine_others`): the middle keys its current sign codes rank
+  highest outside its best 4m, i.e. the codes' own false positives;
 - soft codes s = softsign(gamma * h) of the encoders' activations h. The decode path ranks a
   key by the matching bits summed over its group, whose soft form is (sum_g s(q_g)) . s(k);
 - loss: mean over valid pairs (top i, other j) of -log sigmoid(S_i - S_j) per layer, summed
@@ -331,7 +333,7 @@ class Batch:
     top: torch.Tensor  # (L, Hkv, Q, P) key indices
     shared: torch.Tensor  # (R,) key indices shared by every query, layer and head
     valid: torch.Tensor  # (L, Hkv, Q, R) bool: the shared key is not in the query's top set
-    hard: torch.Tensor  # (L, Hkv, Q, Ph) key indices ranked just below the top set
+    hard: torch.Tensor  # (L, Hkv, Q, Ph) key indices ranked just below the top set (+ Pm mined, see train_step)
     shift: int = 0  # positions added to every q and k of the step (a RoPE rotation, see rope_shift)
 
 
