@@ -203,7 +203,7 @@ def rank_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, config:
         logits = qb @ k.float().unsqueeze(1).transpose(-1, -2) / D**0.5  # (Hkv, G, B, T)
         causal = keys[None, :] <= pos[:, None]  # (B, T)
         prob = logits.masked_fill(~causal, float("-inf")).softmax(-1).sum(1)  # (Hkv, B, T)
-        middle = (keys[None, :] >= config.sinks) & (keys[None, :] <= (pos - config.window)[:, None])
+        middle = middle_keys(config, pos, T)  # (B, T)
         out.append(prob.masked_fill(~middle, -1.0).topk(config.ranked, dim=-1).indices)  # (Hkv, B, M)
     return torch.cat(out, dim=1)
 
@@ -386,6 +386,21 @@ def rope_shift(x: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Ten
     return x * cos + rotated * sin
 
 
+def middle_keys(config: TrainConfig, last: torch.Tensor, T: int) -> torch.Tensor:
+    """(Q, T) bool: the keys that queries at positions `last` (Q,) rank, the decode path's middle:
+    after the sinks, before each query's window."""
+    keys = torch.arange(T)
+    return (keys[None, :] >= config.sinks) & (keys[None, :] <= (last - config.window)[:, None])
+
+
+def sign_scores(query_mlp, key_mlp, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Matching-bit scores (L, Hkv, Q, T) of the sign codes, summed over each KV head's query group
+    (how the decode path ranks keys): q (L, H, Q, D), k (L, Hkv, T, D)."""
+    L, H, Q, _ = q.shape
+    sq = torch.sign(query_mlp(q)).view(L, k.shape[1], H // k.shape[1], Q, -1).sum(2)  # (L, Hkv, Q, C)
+    return sq @ torch.sign(key_mlp(k)).transpose(-1, -2)
+
+
 @torch.no_grad()
 def mine_others(query_mlp, key_mlp, data: QKData, batch: Batch, config: TrainConfig, device) -> torch.Tensor:
     """(L, Hkv, Q, Pm) for each query of the batch: the middle keys its current sign codes rank
@@ -400,14 +415,9 @@ def mine_others(query_mlp, key_mlp, data: QKData, batch: Batch, config: TrainCon
     k = data.k[batch.seq].float().to(device)  # (L, Hkv, T, D)
     if batch.shift:
         q, k = rope_shift(q, batch.shift, data.inv_freq), rope_shift(k, batch.shift, data.inv_freq)
-    L, H, Q, _ = q.shape
-    Hkv, T = k.shape[1], k.shape[2]
-    sq = torch.sign(query_mlp(q)).view(L, Hkv, H // Hkv, Q, -1).sum(2)  # (L, Hkv, Q, C)
-    scores = sq @ torch.sign(key_mlp(k)).transpose(-1, -2)  # (L, Hkv, Q, T)
     last = data.positions[batch.seq, batch.query]  # (Q,) each query's own position n - 1
-    keys = torch.arange(T)
-    middle = (keys[None, :] >= config.sinks) & (keys[None, :] <= (last - config.window)[:, None])  # (Q, T)
-    scores = scores.masked_fill(~middle.to(device), float("-inf"))
+    middle = middle_keys(config, last, k.shape[2]).to(device)  # (Q, T)
+    scores = sign_scores(query_mlp, key_mlp, q, k).masked_fill(~middle, float("-inf"))  # (L, Hkv, Q, T)
     ranked = data.ranked[batch.seq][:, :, batch.query].long()  # (L, Hkv, Q, M) best first
     near = torch.arange(ranked.shape[-1]) < _HARD_SPAN * config.top_count(last + 1).view(-1, 1)  # (Q, M)
     excluded = torch.where(near, ranked, ranked[..., :1])  # the far ranks repeat rank 0, excluded anyway
@@ -680,19 +690,15 @@ def code_recall(query_mlp, key_mlp, data: QKData, config: TrainConfig, queries: 
     S, L, Hkv, Pn, M = data.ranked.shape
     T = data.k.shape[3]
     generator = torch.Generator().manual_seed(seed)
-    keys = torch.arange(T)
     total, count = torch.zeros(L), 0
     for seq in range(S):
         query = torch.randperm(Pn, generator=generator)[:queries].sort().values  # (Q,)
         n = data.positions[seq, query] + 1  # (Q,)
         m = config.top_count(n)  # (Q,)
         q = data.q[seq][:, :, query].float().to(device)  # (L, H, Q, D)
-        H, Q = q.shape[1], q.shape[2]
-        sq = torch.sign(query_mlp(q)).cpu()  # (L, H, Q, C)
-        sq = sq.view(L, Hkv, H // Hkv, Q, sq.shape[-1]).sum(2)  # (L, Hkv, Q, C)
-        sk = torch.sign(key_mlp(data.k[seq].float().to(device))).cpu()  # (L, Hkv, T, C)
-        middle = (keys[None, :] >= config.sinks) & (keys[None, :] <= (n - 1 - config.window)[:, None])  # (Q, T)
-        scores = (sq @ sk.transpose(-1, -2)).masked_fill(~middle, float("-inf"))  # (L, Hkv, Q, T)
+        Q = q.shape[2]
+        scores = sign_scores(query_mlp, key_mlp, q, data.k[seq].float().to(device)).cpu()  # (L, Hkv, Q, T)
+        scores = scores.masked_fill(~middle_keys(config, n - 1, T), float("-inf"))
         picked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : int(m.max())]
         in_set = lambda idx: torch.zeros(L, Hkv, Q, T).scatter_(  # noqa: E731
             -1, idx, (torch.arange(idx.shape[-1]).view(1, 1, 1, -1) < m.view(1, 1, Q, 1)).float().expand_as(idx))

@@ -400,6 +400,21 @@ def test_linear_equals_matmul():
         np.testing.assert_allclose(linear(x, w, b), w.astype(np.float64) @ x + b, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("weight, bias, x, out, message", [
+    (np.zeros((4, 3), np.float64), None, np.zeros(3, np.float32), np.zeros(4, np.float32), "float32 weight"),
+    (np.zeros((3, 4), np.float32).T, None, np.zeros(3, np.float32), np.zeros(4, np.float32), "C-contiguous"),
+    (np.zeros((4, 3), np.float32), np.zeros(3, np.float32), np.zeros(3, np.float32), np.zeros(4, np.float32),
+     r"bias must be float32 \(4,\)"),
+    (np.zeros((4, 3), np.float32), None, np.zeros(5, np.float32), np.zeros(4, np.float32), r"x must be float32 \(3,\)"),
+    (np.zeros((4, 3), np.float32), None, np.zeros(3, np.float32), np.zeros(0, np.float32), r"out must be .* \(4,\)"),
+])
+def test_matvec_refuses_wrong_shapes_and_dtypes_with_what_it_needs(weight, bias, x, out, message):
+    from kernels.linear import MatVec
+
+    with pytest.raises(ValueError, match=message):
+        MatVec(weight, bias)(x, out)
+
+
 @pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
 def test_linear_on_two_threads_equals_one_thread():
     """kernels.set_threads(2) splits the weight rows over two threads; every row is still summed
