@@ -46,7 +46,9 @@ def spotlight_config(args):
         int(x) for x in args.dense_layers.split(",") if x.strip())
     # dense_below=0: measure selection at every length (the default's short-context shortcut would hide it)
     return replace(defaults, ratio=args.ratio or defaults.ratio, dense_layers=dense, dense_below=0,
-                   k_min=defaults.k_min if args.k_min is None else args.k_min)
+                   k_min=defaults.k_min if args.k_min is None else args.k_min,
+                   sinks=defaults.sinks if args.sinks is None else args.sinks,
+                   window=defaults.window if args.window is None else args.window)
 
 
 def load(args):
@@ -159,6 +161,8 @@ def main(argv=None):
     p.add_argument("--ratio", type=float, help="retrieved share for perplexity and needles (default: SpotlightConfig)")
     p.add_argument("--k-min", type=int, help="retrieved tokens at least (default: SpotlightConfig)")
     p.add_argument("--dense-layers", help="comma-separated dense layers (default: SpotlightConfig)")
+    p.add_argument("--sinks", type=int, help="first tokens every selection keeps (default: SpotlightConfig)")
+    p.add_argument("--window", type=int, help="last tokens every selection keeps (default: SpotlightConfig)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; 1 is faster on a busy CPU)")
     p.add_argument("--methods", help="comma-separated method names for perplexity and needles (default: dense and "
                                      "the main rivals), e.g. 'dense,Spotlight-128 trained'")

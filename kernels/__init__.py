@@ -13,7 +13,7 @@ results; the semantics (bit order, scores, the tie rule) are written once in ker
 
 Decode-step attention (`attend`, `gather_attend`: exact softmax attention of one query step
 over all cached rows or over selected rows, reading them in place) lives in kernels/attend_cpu.py
-(CPU) and kernels/cuda.py; `mlp_codes` (query encoder + pack in one call) is CPU only
+(CPU) and kernels/cuda.py; `mlp_codes` / `MlpCoder` (an encoder MLP + pack in one call) are CPU only
 (kernels/encode.py). Two-level retrieval (kernels/ranges.py): `ranges_score_select`, the flat
 selection over each head's token ranges, runs on both backends (CUDA: kernels/retrieval.cu
 `range_scores`, compile-checked only so far); the host-side segment table's helpers
@@ -33,13 +33,13 @@ from . import attend_cpu as _attend
 from . import cpu
 from . import ranges as _ranges
 from .cpu import Layout, Scratch, selection_layout, set_threads, words_for
-from .encode import mlp_codes
+from .encode import MlpCoder, mlp_codes
 from .ranges import bit_counts, pick_ranges, segment_scores
 
 __all__ = [
     "pack", "pack_into", "scores", "select", "score_select", "make_scratch", "gather",
     "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
-    "set_threads", "attend", "gather_attend", "make_attend_scratch", "mlp_codes",
+    "set_threads", "attend", "gather_attend", "make_attend_scratch", "mlp_codes", "MlpCoder",
     "bit_counts", "segment_scores", "pick_ranges", "ranges_score_select",
 ]
 

@@ -24,78 +24,120 @@ import math
 
 import numpy as np
 
-from .cpu import HAVE_NUMBA, WORD_BITS, as_numpy, words_for
+from .cpu import HAVE_NUMBA, WORD_BITS, _numba_threads, as_numpy, threads, words_for
 
 LOG2E = np.float32(math.log2(math.e))
 
 if HAVE_NUMBA:
-    from numba import njit
+    from numba import njit, prange
 
     from .attend_cpu import _exp2_parts
 
-    @njit(fastmath={"reassoc", "contract", "arcp", "nsz"}, cache=True)
-    def _mlp_codes(x, w1, b1, w2, w_out, depth, out):
-        rows, dim = x.shape
-        width, bits = w1.shape[3], w_out.shape[2]
-        y, z, h = np.empty(dim, np.float32), np.empty(width, np.float32), np.empty(bits, np.float32)
-        power, scale_bits = np.empty(width, np.float32), np.empty(width, np.int32)
-        for r in range(rows):
-            for d in range(dim):
-                y[d] = x[r, d]
-            for block in range(depth):
-                for f in range(width):
-                    z[f] = b1[r, block, 0, f]
-                for d in range(dim):  # z += y[d] * w1[d, :], vectorised over F
-                    yd = y[d]
-                    for f in range(width):
-                        z[f] += yd * w1[r, block, d, f]
-                for f in range(width):  # exp(-z) = 2^(-z log2 e) = power * 2^exponent, vectorised
-                    t = min(max(-z[f] * LOG2E, np.float32(-126.0)), np.float32(126.0))
-                    power[f], exponent = _exp2_parts(t)
-                    scale_bits[f] = (exponent + 127) << 23
-                scale = scale_bits.view(np.float32)
-                for f in range(width):
-                    z[f] = z[f] / (np.float32(1.0) + power[f] * scale[f])  # silu(z) = z * sigmoid(z)
-                for f in range(width):
-                    zf = z[f]
-                    for d in range(dim):
-                        y[d] += zf * w2[r, block, f, d]
-            for c in range(bits):
-                h[c] = 0.0
-            for d in range(dim):
+    FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
+
+    @njit(fastmath=FASTMATH, cache=True, inline="always")
+    def _code_row(x, r, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
+        """out[r] = the packed signs of row r's MLP; y (D,), z (F,), h (C,), power (F,), scale_bits (F,) scratch."""
+        dim, width, bits = x.shape[1], w1.shape[3], w_out.shape[2]
+        for d in range(dim):
+            y[d] = x[r, d]
+        for block in range(depth):
+            for f in range(width):
+                z[f] = b1[r, block, 0, f]
+            for d in range(dim):  # z += y[d] * w1[d, :], vectorised over F
                 yd = y[d]
-                for c in range(bits):
-                    h[c] += yd * w_out[r, d, c]
-            for w in range(out.shape[1]):
-                word = np.uint64(0)
-                for j in range(min(WORD_BITS, bits - WORD_BITS * w)):
-                    if h[WORD_BITS * w + j] > 0:
-                        word |= np.uint64(1) << np.uint64(j)
-                out[r, w] = word
+                for f in range(width):
+                    z[f] += yd * w1[r, block, d, f]
+            for f in range(width):  # exp(-z) = 2^(-z log2 e) = power * 2^exponent, vectorised
+                t = min(max(-z[f] * LOG2E, np.float32(-126.0)), np.float32(126.0))
+                power[f], exponent = _exp2_parts(t)
+                scale_bits[f] = (exponent + 127) << 23
+            scale = scale_bits.view(np.float32)
+            for f in range(width):
+                z[f] = z[f] / (np.float32(1.0) + power[f] * scale[f])  # silu(z) = z * sigmoid(z)
+            for f in range(width):
+                zf = z[f]
+                for d in range(dim):
+                    y[d] += zf * w2[r, block, f, d]
+        for c in range(bits):
+            h[c] = 0.0
+        for d in range(dim):
+            yd = y[d]
+            for c in range(bits):
+                h[c] += yd * w_out[r, d, c]
+        for w in range(out.shape[1]):
+            word = np.uint64(0)
+            for j in range(min(WORD_BITS, bits - WORD_BITS * w)):
+                if h[WORD_BITS * w + j] > 0:
+                    word |= np.uint64(1) << np.uint64(j)
+            out[r, w] = word
+
+    @njit(fastmath=FASTMATH, cache=True)
+    def _mlp_codes(x, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
+        for r in range(x.shape[0]):
+            _code_row(x, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
+
+    @njit(fastmath=FASTMATH, cache=True, parallel=True)
+    def _mlp_codes_parallel(x, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
+        """_mlp_codes with the rows spread over numba's threads (each row's sums in the same order:
+        bit-identical)."""
+        for r in prange(x.shape[0]):
+            _code_row(x, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
+
+
+class MlpCoder:
+    """Packed codes uint64 (R, W) of h = mlp(x) @ w_out > 0, one MLP per row, for one layer's
+    encoder: its checks, numpy views and scratch made once (a decode step codes one query and one
+    key per layer; checking the weights on each call cost more than coding the key).
+
+    w1 (R, >=depth, D, F); b1 (R, >=depth, 1, F); w2 (R, >=depth, F, D); w_out (R, D, C); float32
+    numpy arrays or CPU tensors, viewed in place (values copied into them later are seen). With
+    kernels.set_threads(n > 1) the rows are coded on n threads (the same bits).
+    """
+
+    def __init__(self, w1, b1, w2, w_out, depth: int):
+        self.weights = [as_numpy(a) for a in (w1, b1, w2, w_out)]
+        rows, dim = self.weights[3].shape[:2] if self.weights[3].ndim == 3 else (None, None)
+        width, bits = self.weights[0].shape[-1], self.weights[3].shape[-1]
+        expected = [(rows, None, dim, width), (rows, None, 1, width), (rows, None, width, dim), (rows, dim, bits)]
+        for name, a, shape in zip(("w1", "b1", "w2", "w_out"), self.weights, expected):
+            if (a.dtype != np.float32 or len(a.shape) != len(shape) or not a.flags.c_contiguous
+                    or any(s is not None and s != t for s, t in zip(shape, a.shape))):
+                raise ValueError(f"{name} must be C-contiguous float32 of shape {shape} (None: >= depth), "
+                                 f"got {a.dtype} {a.shape}")
+        if not 0 <= depth <= min(self.weights[0].shape[1], self.weights[2].shape[1]):
+            raise ValueError(f"0 <= depth <= the stacked blocks ({self.weights[0].shape[1]}), got {depth}")
+        self.depth, self.shape = depth, (rows, words_for(bits))  # out: (R, W)
+        self.x_shape = (rows, dim)
+        f32 = np.float32
+        self.scratch = [np.empty((rows, dim), f32), np.empty((rows, width), f32), np.empty((rows, bits), f32),
+                        np.empty((rows, width), f32), np.empty((rows, width), np.int32)]  # y, z, h, power, scale_bits
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """x: C-contiguous float32 (R, D) numpy; out: C-contiguous uint64 (R, W) numpy, written and returned."""
+        if x.shape != self.x_shape or x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError(f"x must be C-contiguous float32 {self.x_shape}, got {x.dtype} {x.shape}")
+        if out.shape != self.shape or out.dtype != np.uint64 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous uint64 {self.shape}, got {out.dtype} {out.shape}")
+        if HAVE_NUMBA and threads() > 1:
+            _numba_threads()
+            _mlp_codes_parallel(x, *self.weights, self.depth, out, *self.scratch)
+        elif HAVE_NUMBA:
+            _mlp_codes(x, *self.weights, self.depth, out, *self.scratch)
+        else:
+            out[...] = _reference(x, *self.weights, self.depth)
+        return out
 
 
 def mlp_codes(x, w1, b1, w2, w_out, depth: int, out=None) -> np.ndarray:
-    """Packed codes uint64 (R, W) of h = mlp(x) @ w_out > 0, one MLP per row.
+    """Packed codes uint64 (R, W) of h = mlp(x) @ w_out > 0, one MLP per row (see MlpCoder;
+    a caller coding every decode step keeps an MlpCoder per layer instead).
 
     x (R, D) float32; w1 (R, >=depth, D, F); b1 (R, >=depth, 1, F); w2 (R, >=depth, F, D);
     w_out (R, D, C); all float32 (numpy arrays or CPU tensors, used in place). depth: blocks run.
     """
-    xa = np.ascontiguousarray(as_numpy(x))
-    arrays = [as_numpy(a) for a in (w1, b1, w2, w_out)]
-    rows, dim = xa.shape
-    width, bits = arrays[0].shape[-1], arrays[3].shape[-1]
-    expected = [(rows, None, dim, width), (rows, None, 1, width), (rows, None, width, dim), (rows, dim, bits)]
-    for name, a, shape in zip(("w1", "b1", "w2", "w_out"), arrays, expected):
-        if a.dtype != np.float32 or len(a.shape) != len(shape) or any(s is not None and s != t for s, t in zip(shape, a.shape)):
-            raise ValueError(f"{name} must be float32 of shape {shape} (None: >= depth), got {a.dtype} {a.shape}")
-    if xa.dtype != np.float32 or not 0 <= depth <= min(arrays[0].shape[1], arrays[2].shape[1]):
-        raise ValueError(f"x must be float32 (R, D) and 0 <= depth <= the stacked blocks; got {xa.dtype}, depth {depth}")
-    dest = _result(out, (rows, words_for(bits)))
-    if HAVE_NUMBA:
-        _mlp_codes(xa, *arrays, depth, dest)
-    else:
-        dest[...] = _reference(xa, *arrays, depth)
-    return dest
+    coder = MlpCoder(w1, b1, w2, w_out, depth)
+    return coder(np.ascontiguousarray(as_numpy(x)), _result(out, coder.shape))
 
 
 def _reference(x, w1, b1, w2, w_out, depth: int) -> np.ndarray:

@@ -179,7 +179,7 @@ class CodeSelector:
     """Hamming top-k over packed codes: Spotlight (trained or untrained) or random SimHash.
 
     On the fast path the query codes and a decode step's key codes come from
-    `kernels.encode.mlp_codes` over views of the encoders' parameters (in place: retraining
+    `kernels.MlpCoder` over views of the encoders' parameters (in place: retraining
     them in place is seen), and the selection is written into a buffer of the cache's
     capacity (reused: copy it to keep it). `select` is the flat scan; `select_segments` the
     two-level one (spotlight/twolevel.py).
@@ -194,8 +194,8 @@ class CodeSelector:
         self._selected = None  # (Hkv * Ncap,) int32: room for any selection of this capacity
         self._q_codes = None  # (H, W): uint64 numpy, or an int64 tensor on a GPU (the same bits)
         self._k_codes = None  # (Hkv, W) uint64: a decode step's key codes
-        self._query_weights = {}  # layer -> numpy views (w1, b1, w2, w_out) of the query encoder
-        self._key_weights = {}  # layer -> the same views of the key encoder
+        self._query_coders = {}  # layer -> kernels.MlpCoder over views of the query encoder's weights
+        self._key_coders = {}  # layer -> the same for the key encoder
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         mlp = self.encoders.key
@@ -208,8 +208,8 @@ class CodeSelector:
             # themselves already differ by float rounding between decode and prefill.
             if self._k_codes is None or self._k_codes.shape[0] != k.shape[0]:
                 self._k_codes = np.empty((k.shape[0], self.code_words), np.uint64)  # (Hkv, W)
-            weights = _weights(mlp, layer, self._key_weights)
-            codes = kernels.mlp_codes(k[:, 0], *weights, mlp.depth, out=self._k_codes)  # (Hkv, W)
+            coder = _coder(mlp, layer, self._key_coders)
+            codes = coder(np.ascontiguousarray(k[:, 0].numpy()), self._k_codes)  # (Hkv, W)
             cache.codes[layer, :, :, cache.length] = codes
             return
         h = self.encoders.key_bits(layer, k).detach().float()  # (Hkv, T, C)
@@ -221,8 +221,8 @@ class CodeSelector:
         if _fused(q, mlp):
             if not isinstance(self._q_codes, np.ndarray) or self._q_codes.shape[0] != q.shape[0]:
                 self._q_codes = np.empty((q.shape[0], self.code_words), np.uint64)  # (H, W)
-            weights = _weights(mlp, layer, self._query_weights)
-            return kernels.mlp_codes(q[:, 0], *weights, mlp.depth, out=self._q_codes)  # (H, W)
+            coder = _coder(mlp, layer, self._query_coders)
+            return coder(np.ascontiguousarray(q[:, 0].numpy()), self._q_codes)  # (H, W)
         h = self.encoders.query_bits(layer, q)[:, 0].detach().float()  # (H, C)
         if not h.is_cuda:
             return kernels.pack(h.numpy())  # (H, W)
@@ -270,15 +270,16 @@ class CodeSelector:
 
 
 def _fused(x: torch.Tensor, mlp) -> bool:
-    """Whether `kernels.mlp_codes` serves x: numba, and x and the encoder fp32 on the CPU."""
+    """Whether `kernels.MlpCoder` serves x: numba, and x and the encoder fp32 on the CPU."""
     return (kernels.cpu.HAVE_NUMBA and x.device.type == mlp.w_out.device.type == "cpu"
             and x.dtype == mlp.w_out.dtype == torch.float32)
 
 
-def _weights(mlp, layer: int, memo: dict) -> tuple:
-    """numpy views (w1, b1, w2, w_out) of one layer of an encoder MLP, made once per layer."""
+def _coder(mlp, layer: int, memo: dict) -> "kernels.MlpCoder":
+    """The fused coder of one layer of an encoder MLP over views of its weights, made once per layer."""
     if layer not in memo:
-        memo[layer] = tuple(p.detach()[layer].numpy() for p in (mlp.w1, mlp.b1, mlp.w2, mlp.w_out))
+        memo[layer] = kernels.MlpCoder(*(p.detach()[layer].numpy() for p in (mlp.w1, mlp.b1, mlp.w2, mlp.w_out)),
+                                       mlp.depth)
     return memo[layer]
 
 

@@ -390,6 +390,56 @@ def test_mlp_codes_equal_the_packed_signs_of_the_mlp():
     np.testing.assert_array_equal(bits_got[clear], (h > 0)[clear])
 
 
+def mlp_inputs(rng, rows=9, dim=64, width=48, bits=128, stacked=3):
+    """x (R, D) and the stacked encoder weights w1, b1, w2, w_out of kernels.mlp_codes."""
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    shapes = [(rows, stacked, dim, width), (rows, stacked, 1, width), (rows, stacked, width, dim), (rows, dim, bits)]
+    return x, [(0.2 * rng.standard_normal(s)).astype(np.float32) for s in shapes]
+
+
+@pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
+def test_mlp_coder_on_two_threads_equals_one_thread_and_sees_weights_changed_in_place():
+    """The rows are coded on two threads (each row's sums in the same order): the same bits; the
+    coder views the weights, so a weight changed in place changes its codes."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here")
+    x, weights = mlp_inputs(np.random.default_rng(3))
+    coder = kernels.MlpCoder(*weights, 2)
+    before = cpu.threads()
+    try:
+        kernels.set_threads(1)
+        one = coder(x, np.empty((9, 2), np.uint64)).copy()
+        kernels.set_threads(2)
+        two = coder(x, np.empty((9, 2), np.uint64)).copy()
+        np.testing.assert_array_equal(two, one)
+        np.testing.assert_array_equal(one, kernels.mlp_codes(x, *weights, 2))
+        weights[3] *= -1  # w_out negated in place: every clear bit flips
+        flipped = coder(x, np.empty((9, 2), np.uint64))
+        assert (flipped == ~one).mean() > 0.9
+    finally:
+        kernels.set_threads(before)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x, w: (x.astype(np.float64), w), r"x must be C-contiguous float32 \(9, 64\)"),
+    (lambda x, w: (x[:4], w), r"x must be C-contiguous float32 \(9, 64\)"),
+    (lambda x, w: (x, [w[0].astype(np.float64)] + w[1:]), "w1 must be C-contiguous float32"),
+    (lambda x, w: (x, w[:3] + [w[3][:, :, :100]]), "w_out must be C-contiguous float32"),
+    (lambda x, w: (x, [w[0][:, :, :32]] + w[1:]), "w1 must be C-contiguous float32"),
+])
+def test_mlp_coder_refuses_wrong_shapes_and_dtypes_with_what_it_needs(change, message):
+    x, weights = change(*mlp_inputs(np.random.default_rng(4)))
+    with pytest.raises(ValueError, match=message):
+        kernels.MlpCoder(*weights, 2)(x, np.empty((9, 2), np.uint64))
+
+
+def test_mlp_coder_refuses_more_blocks_than_stacked():
+    with pytest.raises(ValueError, match="depth"):
+        kernels.MlpCoder(*mlp_inputs(np.random.default_rng(5))[1], 4)
+
+
 def test_linear_equals_matmul():
     from kernels.linear import linear
 
