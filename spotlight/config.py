@@ -160,7 +160,10 @@ class SpotlightConfig:
     bits: int = 128  # C: code bits per query/key
     dense_layers: tuple[int, ...] = (0, 1)
     sinks: int = 4
-    window: int = 64
+    # The last 256 tokens, not the paper's 64: with the shipped encoders at 10 % the needle grid found
+    # all 18 of dense's needles against 17, and perplexity fell from 1.023x to 1.018x dense; at 32K
+    # the 192 extra rows are 6 % more attended rows (docs/DECISIONS.md).
+    window: int = 256
     # Retrieved share of the cached tokens. 10 %, not the paper's 2 %: on SmolLM2-135M the needle grid
     # found 14 of dense's 18 needles at 10 % against 6 at 2 %, perplexity 1.02x dense against 1.05x
     # (docs/DECISIONS.md); it still decodes 32K contexts ~2x faster than dense (docs/RESULTS.md).

@@ -154,7 +154,8 @@ def test_untrained_identity_codes_are_the_signs_of_the_keys():
 def test_sparse_attention_is_close_to_dense_with_oracle_at_small_budget():
     model, _ = model_and_encoders()
     dense, _ = decode_logits(model, DenseDecode(), PROMPT, STEPS)
-    policy = SpotlightDecode(SpotlightConfig(dense_layers=(), dense_below=0, ratio=0.3, k_min=8), OracleSelector())
+    policy = SpotlightDecode(SpotlightConfig(dense_layers=(), dense_below=0, ratio=0.3, k_min=8, window=16),
+                             OracleSelector())
     sparse, _ = decode_logits(model, policy, PROMPT, STEPS)
     assert (sparse - dense).abs().max() < (dense.abs().max() * 0.5)
     assert not torch.equal(sparse, dense)
