@@ -220,6 +220,62 @@ def test_select_and_score_select_equal_brute_force(backend, hkv, group, words, n
         check_selection(backend.get(fused), s, budget, SINKS, WINDOW)
 
 
+def ref_select_fast(s: np.ndarray, k: int, sinks: int, window: int) -> np.ndarray:
+    """ref_select for long rows: the same order, (-score, index), by np.lexsort."""
+    hkv, n = s.shape
+    layout = kernels.selection_layout(n, k, sinks, window)
+    middle = np.arange(layout.sinks_end, layout.window_start)
+    rows = []
+    for h in range(hkv):
+        best = middle[np.lexsort((middle, -s[h, middle].astype(np.int64)))[: layout.retrieved]]
+        rows.append(np.sort(np.r_[0 : layout.sinks_end, best, layout.window_start : n]))
+    return np.array(rows, np.int32)
+
+
+@pytest.mark.parametrize("distinct", [0, 40, 3])  # random codes, few distinct codes (ties)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_score_select_from_a_sampled_bound_equals_brute_force(backend, distinct, threads):
+    """From a 16K-token middle and 2,048 selected tokens on, the scan starts from a bound sampled
+    from the codes (kernels/cpu.py `_sample_bound`); the selection must not change."""
+    import numba
+
+    n = cpu.SAMPLE_FROM + 3001
+    q, k = random_codes(np.random.default_rng(distinct + threads), 3, 3, 2, n + 5, distinct)
+    s = ref_scores(q, k, n)
+    before = cpu.threads()
+    try:
+        kernels.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS) if cpu.HAVE_NUMBA else 1)
+        scratch = kernels.make_scratch(backend.put(q), backend.put(k))
+        for budget in [cpu.SAMPLE_K, n // 10, n // 2, n - 300]:
+            got = backend.get(kernels.score_select(backend.put(q), backend.put(k), n, budget, SINKS, 256,
+                                                   scratch=scratch))
+            np.testing.assert_array_equal(got, ref_select_fast(s, budget, SINKS, 256))
+    finally:
+        kernels.set_threads(before)
+
+
+def test_score_select_scans_again_a_head_its_sample_overrates(backend):
+    """Adversarial codes: every sampled run matches the queries exactly, every other token does
+    not, and more tokens are selected than the runs hold. The sampled bound then keeps too few
+    candidates; the head is scanned again from the bottom and the selection stays exact."""
+    n, budget, window = cpu.SAMPLE_FROM + 3001, 4000, 256
+    rng = np.random.default_rng(5)
+    q, k = random_codes(rng, 2, 1, 2, n + 5)
+    layout = kernels.selection_layout(n, budget, SINKS, window)
+    m = layout.middle
+    for i in range(cpu.SAMPLE_RUNS):  # the runs _sample_bound scores, made to match the query bit for bit
+        t0 = layout.sinks_end + i * (m - cpu.SAMPLE_RUN) // (cpu.SAMPLE_RUNS - 1)
+        k[:, :, t0 : t0 + cpu.SAMPLE_RUN] = q.reshape(2, 2, 1)  # (Hkv, W, run): G = 1
+    s = ref_scores(q, k, n)
+    assert (s[:, layout.sinks_end : layout.window_start] == 128).sum(axis=1).tolist() == [
+        cpu.SAMPLE_RUNS * cpu.SAMPLE_RUN] * 2 and cpu.SAMPLE_RUNS * cpu.SAMPLE_RUN < budget
+    scratch = kernels.make_scratch(backend.put(q), backend.put(k))
+    got = backend.get(kernels.score_select(backend.put(q), backend.put(k), n, budget, SINKS, window, scratch=scratch))
+    np.testing.assert_array_equal(got, ref_select_fast(s, budget, SINKS, window))
+    if backend.name == "cpu":
+        assert scratch.bounds.tolist() == [-1, -1]  # both heads were scanned again from -1
+
+
 @pytest.mark.parametrize("sinks,window", [(0, 0), (0, 5), (7, 0), (600, 600), (1, 1)])
 def test_select_sinks_and_window_edges(backend, sinks, window):
     rng = np.random.default_rng(sinks + window)
