@@ -100,13 +100,6 @@ if HAVE_NUMBA:
             total += s[j]
         return total
 
-    @njit(inline="always")
-    def _four(rows, j, contiguous):
-        """The cache rows of positions j..j+3: themselves (contiguous) or rows[j:j+4]."""
-        if contiguous:
-            return j, j + 1, j + 2, j + 3
-        return rows[j], rows[j + 1], rows[j + 2], rows[j + 3]
-
     @njit(fastmath=FASTMATH, cache=True)
     def _attend_rows(qh, kh, vh, rows, lo, hi, contiguous, s, power, bits, stats, acc, g_tag, d8_tag, d1_tag):
         """Online softmax of the G queries qh (G, D) over rows [lo, hi) of one head.
@@ -122,29 +115,11 @@ if HAVE_NUMBA:
                 acc[i, e] = 0.0
         for j0 in range(lo, hi, s.shape[1]):
             count = min(s.shape[1], hi - j0)
-            quads = count - count % 4
-            for j in range(0, quads, 4):  # scores of four rows per pass over q; prefetch rows ahead and these V
-                r0, r1, r2, r3 = _four(rows, j0 + j, contiguous)
-                for ahead in range(j0 + j + PREFETCH_AHEAD, min(j0 + j + PREFETCH_AHEAD + 4, hi)):
-                    prefetch_row(kh, ahead if contiguous else rows[ahead])
-                prefetch_row(vh, r0)
-                prefetch_row(vh, r1)
-                prefetch_row(vh, r2)
-                prefetch_row(vh, r3)
-                for i in range(group):
-                    d0 = np.float32(0.0)
-                    d1 = np.float32(0.0)
-                    d2 = np.float32(0.0)
-                    d3 = np.float32(0.0)
-                    for e in range(dim):
-                        qe = qh[i, e]
-                        d0 += qe * kh[r0, e]
-                        d1 += qe * kh[r1, e]
-                        d2 += qe * kh[r2, e]
-                        d3 += qe * kh[r3, e]
-                    s[i, j], s[i, j + 1], s[i, j + 2], s[i, j + 3] = d0, d1, d2, d3
-            for j in range(quads, count):  # the last rows of the block (K already prefetched)
+            for j in range(count):  # scores; prefetch the rows ahead and this row's V
                 r = j0 + j if contiguous else rows[j0 + j]
+                ahead = j0 + j + PREFETCH_AHEAD
+                if ahead < hi:
+                    prefetch_row(kh, ahead if contiguous else rows[ahead])
                 prefetch_row(vh, r)
                 for i in range(group):
                     dot = np.float32(0.0)
@@ -161,13 +136,7 @@ if HAVE_NUMBA:
                 stats[0, i] = top
                 for e in range(dim):
                     acc[i, e] *= rescale
-            for j in range(0, quads, 4):  # weighted sum of V rows (prefetched above), four per pass over acc
-                r0, r1, r2, r3 = _four(rows, j0 + j, contiguous)
-                for i in range(group):
-                    w0, w1, w2, w3 = s[i, j], s[i, j + 1], s[i, j + 2], s[i, j + 3]
-                    for e in range(dim):
-                        acc[i, e] += (w0 * vh[r0, e] + w1 * vh[r1, e]) + (w2 * vh[r2, e] + w3 * vh[r3, e])
-            for j in range(quads, count):
+            for j in range(count):  # weighted sum of V rows (in cache: prefetched above)
                 r = j0 + j if contiguous else rows[j0 + j]
                 for i in range(group):
                     weight = s[i, j]

@@ -5,8 +5,8 @@ Shape legend: E input features, F output features.
 Why (measured on this machine class, an AMD EPYC with AVX-512; bench/spotlight_speed.py):
 torch.nn.functional.linear on a (1, E) input goes to MKL's sgemv, whose code path on AMD CPUs
 streams SmolLM2's 538 MB of fp32 weights at ~11 GB/s (33 ms of CPU per token); this loop
-streams them at ~30 GB/s (one core), eight output rows at a time so each load of x feeds
-eight FMAs. It is a drop-in for T = 1 (results equal F.linear's up to float
+streams them at ~25 GB/s (one core's read bandwidth), four output rows at a time so each
+load of x feeds four FMAs. It is a drop-in for T = 1 (results equal F.linear's up to float
 rounding: the dot products are summed in another order).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 
 from .cpu import HAVE_NUMBA, _numba_threads, as_numpy, threads
 
-ROWS = 8  # output rows per pass over x (4: 30.1 GB/s on one thread, 8: 31.7, 16: 31.5; ad hoc)
+ROWS = 4  # output rows per pass over x
 
 if HAVE_NUMBA:
     from numba import njit, prange
@@ -23,43 +23,41 @@ if HAVE_NUMBA:
     FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
     @njit(fastmath=FASTMATH, cache=True, inline="always")
-    def _eight_rows(weight, x, i, out):
-        """out[i:i+8] = weight[i:i+8] @ x, one pass over x."""
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    def _four_rows(weight, x, i, out):
+        """out[i:i+4] = weight[i:i+4] @ x, one pass over x."""
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
         for j in range(weight.shape[1]):
             xj = x[j]
             a0 += weight[i, j] * xj
             a1 += weight[i + 1, j] * xj
             a2 += weight[i + 2, j] * xj
             a3 += weight[i + 3, j] * xj
-            a4 += weight[i + 4, j] * xj
-            a5 += weight[i + 5, j] * xj
-            a6 += weight[i + 6, j] * xj
-            a7 += weight[i + 7, j] * xj
         out[i], out[i + 1], out[i + 2], out[i + 3] = a0, a1, a2, a3
-        out[i + 4], out[i + 5], out[i + 6], out[i + 7] = a4, a5, a6, a7
 
     @njit(fastmath=FASTMATH, cache=True)
     def _matvec(weight, x, bias, has_bias, out):
         rows, cols = weight.shape
         full = rows - rows % ROWS
         for i in range(0, full, ROWS):
-            _eight_rows(weight, x, i, out)
+            _four_rows(weight, x, i, out)
         _tail(weight, x, bias, has_bias, out, full)
 
     @njit(fastmath=FASTMATH, cache=True, parallel=True)
     def _matvec_parallel(weight, x, bias, has_bias, out):
-        """_matvec with the eight-row blocks spread over numba's threads: each row is summed
+        """_matvec with the four-row blocks spread over numba's threads: each row is summed
         by one thread in the same order, so the result is bit-identical to _matvec's."""
         rows, cols = weight.shape
         full = rows - rows % ROWS
         for b in prange(full // ROWS):
-            _eight_rows(weight, x, b * ROWS, out)
+            _four_rows(weight, x, b * ROWS, out)
         _tail(weight, x, bias, has_bias, out, full)
 
     @njit(fastmath=FASTMATH, cache=True)
     def _tail(weight, x, bias, has_bias, out, full):
-        """The rows after the last eight-row block, then the bias."""
+        """The rows after the last four-row block, then the bias."""
         rows, cols = weight.shape
         for i in range(full, rows):
             acc = np.float32(0.0)
