@@ -24,9 +24,9 @@ Implementation, chosen by measurement (bench/retrieval.py; numbers in docs/RESUL
     tokens that beat a running lower bound of the k-th best score (`_scan_codes`), about
     k (1 + ln(n / k)) of them, then a histogram threshold over those candidates gives the cut
     and the tie quota (`_finish_head`): linear time, no sort, each code read once. `select`
-    runs the same scan over given scores. From a 16K-token middle on, the bound starts at one
-    estimated from 2,048 sampled tokens (`_sample_bound`, checked after the scan), so a 10 %
-    selection keeps ~1.7 k candidates instead of ~3.3 k.
+    runs the same scan over given scores. From a 16K-token middle and 2,048 selected tokens on,
+    the bound starts at one estimated from 2,048 sampled tokens (`_sample_bound`, checked after
+    the scan), so a 10 % selection keeps ~1.7 k candidates instead of ~3.3 k.
   * threads: `set_threads(n)`, default 1 (why: its docstring). All heads' tokens are cut into one
     run per thread. numba's threading layer here is OpenMP: calls from several Python threads
     at once are safe.
@@ -438,6 +438,7 @@ if HAVE_NUMBA:
 
     @njit(parallel=True, cache=True)
     def _finish_jit(layout, chunks, hist, cand_index, cand_score, counts, out):
+        """Each head's cut, tie quota and ordered selection from its pieces' candidates."""
         n, sinks_end, window_start, r = layout
         for h in prange(out.shape[0]):
             _finish_head(h, chunks, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
@@ -637,9 +638,10 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
     buf, chunks = scratch if scratch is not None else make_scratch(q, kc), _numba_threads()
     if not buf.fits(hkv, group * words * WORD_BITS + 1, n, chunks):
         raise ValueError("scratch was made for other q_codes / k_codes shapes: call make_scratch again")
+    g_tag, w_tag = tags(group, words)
     scan = (q, kc, layout, chunks, buf.tile, buf.flags, buf.hist, buf.cand_index, buf.cand_score, buf.counts,
-            buf.bounds, *tags(group, words))
-    _sample_bounds(q, kc, layout, buf.tile[0], buf.flags[0], buf.hist[0], buf.bounds, *tags(group, words))
+            buf.bounds, g_tag, w_tag)
+    _sample_bounds(q, kc, layout, buf.tile[0], buf.flags[0], buf.hist[0], buf.bounds, g_tag, w_tag)
     _scan_jit(*scan)
     if _short_heads(buf.bounds, buf.counts, chunks, hkv, layout.middle, layout.retrieved):  # rare: see _sample_bound
         _scan_jit(*scan)  # those heads again from -1
