@@ -298,16 +298,14 @@ if HAVE_NUMBA:
     def _sample_bound(qh, kf, capacity, sinks_end, m, r, tile, flags, hist, g_tag, w_tag):
         """A starting bound for the scan of one head's middle [sinks_end, sinks_end + m): the score
         above which SAMPLE_RUNS evenly spread runs of SAMPLE_RUN tokens hold 1.5x their share of
-        r (+ 16), minus 1; -1 (keep everything) for a middle shorter than SAMPLE_FROM or fewer
-        than SAMPLE_K selected tokens.
+        r (+ 16), minus 1; -1 (keep everything) when that share is most of the sample. Called only
+        for a middle of at least SAMPLE_FROM tokens and at least SAMPLE_K selected (`score_select`).
 
         Only a speed-up: with r = 10 % of the middle the running bound alone keeps ~3.3 r
         candidates, this one ~1.7 r. Whether >= r tokens really score above it is checked after
         the scan (`_short_heads`), and a head short of them is scanned again from -1.
         """
         total = SAMPLE_RUNS * SAMPLE_RUN
-        if m < SAMPLE_FROM or r < SAMPLE_K:
-            return -1
         want = (3 * total * r) // (2 * m) + 16
         if want >= total:
             return -1
@@ -641,7 +639,10 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
     g_tag, w_tag = tags(group, words)
     scan = (q, kc, layout, chunks, buf.tile, buf.flags, buf.hist, buf.cand_index, buf.cand_score, buf.counts,
             buf.bounds, g_tag, w_tag)
-    _sample_bounds(q, kc, layout, buf.tile[0], buf.flags[0], buf.hist[0], buf.bounds, g_tag, w_tag)
+    if layout.middle >= SAMPLE_FROM and layout.retrieved >= SAMPLE_K:  # below, the sample costs more than it saves
+        _sample_bounds(q, kc, layout, buf.tile[0], buf.flags[0], buf.hist[0], buf.bounds, g_tag, w_tag)
+    else:
+        buf.bounds[:] = -1  # every head's scan starts from the bottom
     _scan_jit(*scan)
     if _short_heads(buf.bounds, buf.counts, chunks, hkv, layout.middle, layout.retrieved):  # rare: see _sample_bound
         _scan_jit(*scan)  # those heads again from -1

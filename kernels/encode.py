@@ -97,8 +97,8 @@ class MlpCoder:
 
     def __init__(self, w1, b1, w2, w_out, depth: int):
         self.weights = [as_numpy(a) for a in (w1, b1, w2, w_out)]
-        rows, dim = self.weights[3].shape[:2] if self.weights[3].ndim == 3 else (None, None)
-        width, bits = self.weights[0].shape[-1], self.weights[3].shape[-1]
+        rows, dim, bits = self.weights[3].shape if self.weights[3].ndim == 3 else (None, None, None)  # checked below
+        width = self.weights[0].shape[-1]
         expected = [(rows, None, dim, width), (rows, None, 1, width), (rows, None, width, dim), (rows, dim, bits)]
         for name, a, shape in zip(("w1", "b1", "w2", "w_out"), self.weights, expected):
             if (a.dtype != np.float32 or len(a.shape) != len(shape) or not a.flags.c_contiguous
