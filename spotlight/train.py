@@ -55,6 +55,7 @@ from .cache import KVCache
 from .config import ModelArgs
 from .errors import ContextTooLong, EncoderMismatch, SpotlightError, TooMuchMemory
 from .hashing import EncoderSpec, Encoders
+from .model import apply_rope
 
 _RAM_SHARE = 0.6  # refuse a run whose estimated peak exceeds this share of the available memory
 _HARD_SPAN = 4  # hard others come from the ranks [m, 4m) just below a query's top set
@@ -70,9 +71,11 @@ class TrainConfig:
     init: str = "identity"
     top_fraction: float = 0.02
     sinks: int = 4  # forced tokens of the decode path, excluded from the ranking targets
-    window: int = 64
-    seq_len: int = 2048
-    sequences: int = 24
+    window: int = 256  # the decode path's default (SpotlightConfig.window): its keys are always attended
+    # 6 windows of the model's whole 8K context (sweep in docs/DECISIONS.md: ranking within 8K tokens
+    # is what decoding asks of the codes; 24 windows of 2K taught it worse with the same tokens)
+    seq_len: int = 8192
+    sequences: int = 6
     stride: int = 8  # a query is recorded at every stride-th position
     max_position: int = 0  # > seq_len: shift each step's q and k to random positions below this (RoPE)
     min_query: int = 512  # first recorded query position (shorter prefixes have few keys to rank)
@@ -380,10 +383,8 @@ def rope_shift(x: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Ten
     the encoders every absolute position of the model's window.
     """
     angles = shift * inv_freq.float()  # (D/2,)
-    cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()  # (D,)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # the model's rotate-half convention
-    return x * cos + rotated * sin
+    both = torch.cat([angles, angles])  # (D,)
+    return apply_rope(x, both.cos(), both.sin())  # the model's own rotate-half convention
 
 
 def middle_keys(config: TrainConfig, last: torch.Tensor, T: int) -> torch.Tensor:
