@@ -199,7 +199,7 @@ def main(argv=None):
         needle_rows = needle_part(engine, chosen, sizes, config)
         rows += needle_rows + needle_summary(needle_rows)
         targets += needle_targets(needle_rows, spot, config)
-    notes = notes_for(engine, trained, config, sizes, time.perf_counter() - started)
+    notes = notes_for(engine, trained, methods, config, sizes, time.perf_counter() - started)
     finish("quality", args, rows, targets, title="Retrieval quality (Spotlight vs baselines)", notes=notes,
            extra="\n\n".join(extra))
 
@@ -296,12 +296,21 @@ def needle_targets(rows, spot, config):
                    higher_is_better=False)]
 
 
-def notes_for(engine, trained, config, sizes, seconds) -> str:
-    p = trained.provenance
+def training_of(encoders) -> str:
+    """What trained a checkpoint, from its provenance: steps, tokens, windows and the ranked keys."""
+    p = encoders.provenance
+    c = p.get("config", {})
+    return (f"{p.get('steps', '?')} steps on {p.get('tokens', '?')} tokens of {p.get('corpus', '?')}: "
+            f"{c.get('sequences', '?')} windows of {c.get('seq_len', '?')} tokens, keys before a "
+            f"{c.get('window', '?')}-token window ranked")
+
+
+def notes_for(engine, trained, methods, config, sizes, seconds) -> str:
+    linear = [f"{name}: {training_of(m.selector.encoders)}" for name, m in methods.items() if m.family == "linear"]
     return (
         f"Model {engine.source.origin} (fingerprint {engine.fingerprint}); trained encoders "
         f"{trained.spec.bits} bits, depth {trained.spec.depth}, width {trained.spec.width}, checkpoint "
-        f"{trained.fingerprint} ({p.get('steps', '?')} steps on {p.get('tokens', '?')} tokens of {p.get('corpus', '?')}). "
+        f"{trained.fingerprint} ({training_of(trained)}){''.join(f'; {x}' for x in linear)}. "
         f"Budget accounting for every method: {config.sinks} sinks + {config.window}-token window + retrieved; dense "
         f"layers {list(config.dense_layers)}. Retrieval: {sizes['retrieval_docs']} held-out essay windows of "
         f"{sizes['retrieval_len']} tokens, the last {sizes['decode_steps']} decoded one at a time; retrieved = "
