@@ -160,7 +160,7 @@ class SpotlightConfig:
     bits: int = 128  # C: code bits per query/key
     dense_layers: tuple[int, ...] = (0, 1)
     sinks: int = 4
-    # The last 256 tokens, not the paper's 64: with the session 5 encoders at 10 % the needle grid found
+    # The last 256 tokens, not the paper's 64: with the shipped encoders at 10 % the needle grid found
     # all 18 of dense's needles against 17, and perplexity fell from 1.023x to 1.018x dense; at 32K
     # the 192 extra rows are 6 % more attended rows (docs/DECISIONS.md).
     window: int = 256
@@ -172,8 +172,8 @@ class SpotlightConfig:
     dense_below: int = 2048  # contexts shorter than this use dense attention everywhere
     # From this many cached tokens on, decode picks cache segments by their code summaries first,
     # then tokens inside them (spotlight/twolevel.py); below it the flat scan (the reference) runs.
-    # docs/RESULTS.md "Retrieval kernels": two-level is 5.0x faster at 128K and 6.0x at 512K, but with
-    # the trained encoders it keeps 6.6-9.7 recall points less than the flat scan (docs/DECISIONS.md);
+    # docs/RESULTS.md "Retrieval kernels": two-level is 4.8x faster at 128K and 6.0x at 512K, but with
+    # the trained encoders it keeps 5.5-8.9 recall points less than the flat scan (docs/DECISIONS.md);
     # a flat scan at 32K costs ~0.1 ms per layer, too little to trade.
     two_level_from: int = 65536
 

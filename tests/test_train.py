@@ -314,8 +314,8 @@ def test_training_with_mined_others_runs_and_learns(tiny):
 
 
 def test_more_mined_others_than_the_first_query_can_have_is_refused():
-    # the first query sees 513 tokens: less the window 256, the sinks 4 and its best 4 * 10 keys
-    with pytest.raises(ValueError, match="--mined-others 1000 exceeds the 213 keys"):
+    # the first query sees 513 tokens: less the window 64, the sinks 4 and its best 4 * 10 keys
+    with pytest.raises(ValueError, match="--mined-others 1000 exceeds the 405 keys"):
         TrainConfig(mined_others=1000)
 
 
