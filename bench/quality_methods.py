@@ -119,17 +119,22 @@ class RetrievalProbe:
     returns dense attention (so the text follows the dense model) after comparing, per
     layer and budget, each method's selected set with the exact top-k (OracleSelector):
     recall@k and IoU over the retrieved tokens, attention-mass recall over the whole set
-    (sinks + window + retrieved) and the relative error of the attention output.
+    (sinks + window + retrieved) and the relative error of the attention output. Recall is also
+    counted apart for the exact top keys at least `far` tokens before the query (pooled over heads
+    and steps): the distant facts a question about the start of a long document needs, which an
+    average over all top keys, most of them recent, hides.
     """
 
     code_words = 0
 
-    def __init__(self, methods: dict, budgets: tuple[float, ...], sinks: int, window: int, capacity: int, args):
-        self.methods, self.budgets, self.sinks, self.window = methods, budgets, sinks, window
+    def __init__(self, methods: dict, budgets: tuple[float, ...], sinks: int, window: int, capacity: int, args,
+                 far: int = 2048):
+        self.methods, self.budgets, self.sinks, self.window, self.far = methods, budgets, sinks, window, far
         self.codes = {name: np.zeros(code_cache_shape(args, m.code_words, capacity), dtype=np.uint64)
                       for name, m in methods.items() if m.code_words}
         self.oracle = OracleSelector()
-        self.sums: dict[tuple, np.ndarray] = {}  # (method, budget, layer) -> [recall, iou, mass, error, count]
+        # (method, budget, layer) -> [recall, iou, mass, error, count, far hits, far top keys]
+        self.sums: dict[tuple, np.ndarray] = {}
         self.steps = 0
 
     def view(self, name: str, cache):
@@ -154,24 +159,29 @@ class RetrievalProbe:
             middle = slice(layout.sinks_end, layout.sinks_end + layout.retrieved)
             exact = torch.as_tensor(self.oracle.select(layer, q, cache, n, retrieved, self.sinks, self.window))
             in_exact = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, exact[:, middle].long(), True)  # (Hkv, n)
+            far = in_exact.clone()
+            far[:, max(n - self.far, 0):] = False  # (Hkv, n) exact top keys >= self.far tokens back
             for name, method in self.methods.items():
                 idx = exact if method.family == "oracle" else torch.as_tensor(
                     method.selector.select(layer, q, self.view(name, cache), n, retrieved, self.sinks, self.window))
                 idx = idx.long()  # (Hkv, K)
                 hits = in_exact.gather(1, idx[:, middle]).sum(1).float()  # (Hkv,)
+                far_hits = far.gather(1, idx[:, middle]).sum()
                 size = max(layout.retrieved, 1)
                 mass = prob.gather(2, idx[:, None, :].expand(-1, H // Hkv, -1)).sum(-1)  # (Hkv, G)
                 out = sparse_decode(q, cache.k[layer], cache.v[layer], idx)  # (H, 1, D)
                 error = (out - dense).norm(dim=-1) / dense.norm(dim=-1).clamp(min=1e-12)  # (H, 1)
                 row = np.array([float((hits / size).mean()), float((hits / (2 * size - hits)).mean()),
-                                float(mass.mean()), float(error.mean()), 1.0])
+                                float(mass.mean()), float(error.mean()), 1.0, float(far_hits), float(far.sum())])
                 key = (name, budget, layer)
                 self.sums[key] = self.sums.get(key, 0) + row
         return dense
 
     def summary(self) -> dict:
-        """(method, budget, layer) -> {recall, iou, mass, error} averaged over steps."""
+        """(method, budget, layer) -> {recall, iou, mass, error} averaged over steps, and far: the
+        recall of the distant top keys (nan where no step had any)."""
         out = {}
-        for key, (recall, iou, mass, error, count) in self.sums.items():
-            out[key] = {"recall": recall / count, "iou": iou / count, "mass": mass / count, "error": error / count}
+        for key, (recall, iou, mass, error, count, far_hits, far_total) in self.sums.items():
+            out[key] = {"recall": recall / count, "iou": iou / count, "mass": mass / count, "error": error / count,
+                        "far": far_hits / far_total if far_total else float("nan")}
         return out

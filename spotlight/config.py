@@ -160,7 +160,7 @@ class SpotlightConfig:
     bits: int = 128  # C: code bits per query/key
     dense_layers: tuple[int, ...] = (0, 1)
     sinks: int = 4
-    # The last 256 tokens, not the paper's 64: with the shipped encoders at 10 % the needle grid found
+    # The last 256 tokens, not the paper's 64: with session 6's encoders at 10 % the needle grid found
     # all 18 of dense's needles against 17, and perplexity fell from 1.023x to 1.018x dense; at 32K
     # the 192 extra rows are 6 % more attended rows (docs/DECISIONS.md).
     window: int = 256

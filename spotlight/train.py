@@ -71,12 +71,10 @@ class TrainConfig:
     init: str = "identity"
     top_fraction: float = 0.02
     sinks: int = 4  # forced tokens of the decode path, excluded from the ranking targets
-    # The shipped checkpoint's settings. Window 256 (the decode path's) with 6 windows of 8,192 tokens
-    # raised recall@2% by 3 points and met the perplexity goal but lost needles dense finds, so it is
-    # measured, not shipped (third sweep, docs/DECISIONS.md).
-    window: int = 64
-    seq_len: int = 2048
-    sequences: int = 24
+    # The decode path's window, and whole windows of the model's context (third sweep, docs/DECISIONS.md)
+    window: int = 256
+    seq_len: int = 8192
+    sequences: int = 6
     stride: int = 8  # a query is recorded at every stride-th position
     max_position: int = 0  # > seq_len: shift each step's q and k to random positions below this (RoPE)
     min_query: int = 512  # first recorded query position (shorter prefixes have few keys to rank)
@@ -85,6 +83,10 @@ class TrainConfig:
     tops: int = 8  # P
     others: int = 200  # R
     hard_others: int = 8  # Ph
+    # tops drawn with probability proportional to (distance from the query) ** this within the top set
+    # (fourth sweep, docs/DECISIONS.md):
+    # 0 draws them uniformly, so nearby keys (most of a long window's top sets) dominate the loss
+    top_distance_power: float = 1.5
     # Pm: per query, the keys its current sign codes rank highest outside its top set and near misses (sweep in
     # docs/DECISIONS.md: with them, more steps keep paying where random others had stopped)
     mined_others: int = 32
@@ -350,7 +352,13 @@ def sample_batch(data: QKData, config: TrainConfig, generator: torch.Generator) 
     n = data.positions[seq, query] + 1  # (Q,) tokens each query sees
     m = config.top_count(n).view(1, 1, Q, 1)
     ranked = data.ranked[seq][:, :, query].long()  # (L, Hkv, Q, M)
-    top = ranked.gather(-1, (torch.rand(L, Hkv, Q, P, generator=generator) * m).long())  # (L, Hkv, Q, P)
+    if config.top_distance_power:
+        distance = (data.positions[seq, query].view(1, 1, Q, 1) - ranked).clamp(min=1).float()  # (L, Hkv, Q, M)
+        weight = distance.pow(config.top_distance_power) * (torch.arange(M) < m)  # the top set only
+        pick = torch.multinomial(weight.view(-1, M), P, replacement=True, generator=generator)
+        top = ranked.gather(-1, pick.view(L, Hkv, Q, P))  # (L, Hkv, Q, P)
+    else:
+        top = ranked.gather(-1, (torch.rand(L, Hkv, Q, P, generator=generator) * m).long())  # (L, Hkv, Q, P)
     middle_end = int(n[0]) - config.window  # the middle every query of the block sees: [sinks, middle_end)
     shared = config.sinks + torch.randperm(middle_end - config.sinks, generator=generator)[:R]  # (R,)
     slot = torch.full((data.k.shape[3],), R, dtype=torch.long)  # key -> its place in `shared`, R for none
@@ -803,6 +811,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per layer group (default %(default)s)")
     o.add_argument("--queries", type=int, default=d.queries, help="queries per step (default %(default)s)")
     o.add_argument("--tops", type=int, default=d.tops, help="top keys per query and step (default %(default)s)")
+    o.add_argument("--top-distance-power", type=float, default=d.top_distance_power,
+                   help="draw top keys with probability ~ distance from the query ** this, so distant top keys "
+                        "weigh as much as nearby ones (default %(default)s: uniform)")
     o.add_argument("--others", type=int, default=d.others, help="other keys per step, shared (default %(default)s)")
     o.add_argument("--hard-others", type=int, default=d.hard_others,
                    help="other keys per query from the ranks just below its top set (default %(default)s)")
@@ -887,6 +898,7 @@ def _main(args, argv: list[str]) -> int:
         bits=args.bits, depth=0 if args.linear else args.depth, width=args.width, top_fraction=args.top_fraction,
         sinks=args.sinks, window=args.window, seq_len=args.seq_len, sequences=args.sequences, steps=args.steps,
         queries=args.queries, tops=args.tops, others=args.others, hard_others=args.hard_others,
+        top_distance_power=args.top_distance_power,
         mined_others=args.mined_others, seed=args.seed,
         init=args.init, init_scale=args.init_scale, gamma_start=args.gamma_start, group=args.group,
         beta=args.beta, straight_through=args.straight_through,

@@ -12,7 +12,8 @@ from spotlight.train import (LayerMLP, LayerwiseTraining, TrainConfig, check_mem
 # A tiny random model: 2 layers, 4 query / 2 KV heads, head dim 16, 512 positions.
 TINY = dict(seq_len=256, sequences=4, min_query=96, sinks=4, window=16, stride=2, top_fraction=0.05,
             queries=32, tops=8, others=64, hard_others=0, mined_others=0, bits=32, width=32, lr=1e-2,
-            beta=1.0)  # 32-bit codes: the paper's scale shows progress within the few steps a test runs
+            beta=1.0,  # 32-bit codes: the paper's scale shows progress within the few steps a test runs
+            top_distance_power=0.0)  # uniform tops: random tokens have no distant facts to favour
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -259,6 +260,12 @@ def test_training_with_position_shifts_runs_and_learns(tiny):
     assert sum(history.loss[-10:]) < sum(history.loss[:10])
 
 
+def test_training_with_distance_weighted_tops_runs_and_learns(tiny):
+    model, data, _ = tiny
+    history = new_training(model, data, steps=60, group=0, top_distance_power=1.5).run()
+    assert sum(history.loss[-10:]) < sum(history.loss[:10])
+
+
 def test_sampled_pairs_respect_the_top_sets(tiny):
     from spotlight.train import sample_batch
 
@@ -275,6 +282,29 @@ def test_sampled_pairs_respect_the_top_sets(tiny):
     shared = batch.shared.view(1, 1, 1, -1).expand_as(batch.valid)
     assert torch.equal(batch.valid, ~in_top(shared)), "a shared key is a valid other exactly when it is no top key"
     assert bool((batch.shared < int(n[0]) - config.window).all()) and bool((batch.shared >= config.sinks).all())
+
+
+def test_distance_power_draws_distant_top_keys_more_often_and_only_from_the_top_sets(tiny):
+    from spotlight.train import sample_batch
+
+    _, data, _ = tiny
+
+    def draws(power):
+        config = TrainConfig(**{**TINY, "top_distance_power": power})
+        generator = torch.Generator().manual_seed(0)
+        batches = [sample_batch(data, config, generator) for _ in range(20)]
+        for batch in batches:
+            n = data.positions[batch.seq, batch.query] + 1  # (Q,)
+            m = config.top_count(n).view(1, 1, -1, 1)
+            ranked = data.ranked[batch.seq][:, :, batch.query].long()  # (L, Hkv, Q, M)
+            rank = torch.arange(ranked.shape[-1]).view(1, 1, 1, -1)
+            in_top = ((ranked.unsqueeze(-2) == batch.top.unsqueeze(-1)) & (rank < m).unsqueeze(-2)).any(-1)
+            assert bool(in_top.all()), f"power {power}: every top key is in its query's top set"
+        distance = [(data.positions[b.seq, b.query].view(1, 1, -1, 1) - b.top).float().mean() for b in batches]
+        return float(torch.stack(distance).mean())
+
+    uniform, far = draws(0.0), draws(2.0)
+    assert far > 1.2 * uniform, (far, uniform)
 
 
 def test_mined_others_are_the_codes_best_keys_outside_the_near_and_forced_ones(tiny):
@@ -314,8 +344,8 @@ def test_training_with_mined_others_runs_and_learns(tiny):
 
 
 def test_more_mined_others_than_the_first_query_can_have_is_refused():
-    # the first query sees 513 tokens: less the window 64, the sinks 4 and its best 4 * 10 keys
-    with pytest.raises(ValueError, match="--mined-others 1000 exceeds the 405 keys"):
+    # the first query sees 513 tokens: less the window 256, the sinks 4 and its best 4 * 10 keys
+    with pytest.raises(ValueError, match="--mined-others 1000 exceeds the 213 keys"):
         TrainConfig(mined_others=1000)
 
 
