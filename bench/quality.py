@@ -193,8 +193,9 @@ def main(argv=None):
         summary_rows, layer_rows = retrieval_part(engine, methods, sizes, config)
         rows += summary_rows + layer_rows
         targets += retrieval_targets(summary_rows, spot)
-        plot(summary_rows, methods, PLOT)
-        extra.append(f"![recall vs bits and vs budget]({PLOT.name})")
+        if not args.no_results:  # the plot belongs to the RESULTS.md section it is shown in
+            plot(summary_rows, methods, PLOT)
+            extra.append(f"![recall vs bits and vs budget]({PLOT.name})")
     if "perplexity" in parts:
         ppl_rows = perplexity_part(engine, chosen_methods(costly(methods, spot, args.quick, "perplexity"), args.methods),
                                    sizes, config, spot)
