@@ -83,9 +83,9 @@ class TrainConfig:
     tops: int = 8  # P
     others: int = 200  # R
     hard_others: int = 8  # Ph
-    # tops drawn with probability proportional to (distance from the query) ** this within the top set
-    # (fourth sweep, docs/DECISIONS.md):
-    # 0 draws them uniformly, so nearby keys (most of a long window's top sets) dominate the loss
+    # tops drawn with probability proportional to (distance from the query) ** this within the top set.
+    # 0 draws them uniformly, so recent keys (most of a long window's top sets) dominate the loss and
+    # the codes learn recency: distant facts are lost (fourth sweep, docs/DECISIONS.md)
     top_distance_power: float = 1.5
     # Pm: per query, the keys its current sign codes rank highest outside its top set and near misses (sweep in
     # docs/DECISIONS.md: with them, more steps keep paying where random others had stopped)
@@ -119,8 +119,8 @@ class TrainConfig:
                              f"tokens after position {self.min_query}; raise --seq-len or lower --queries")
         if min(self.steps, self.sequences, self.queries, self.tops, self.others, self.stride) < 1:
             raise ValueError("steps, sequences, queries, tops, others and stride must be >= 1")
-        if self.group < 0 or self.hard_others < 0 or self.mined_others < 0:
-            raise ValueError("group, hard_others and mined_others must be >= 0")
+        if self.group < 0 or self.hard_others < 0 or self.mined_others < 0 or self.top_distance_power < 0:
+            raise ValueError("group, hard_others, mined_others and top_distance_power must be >= 0")
         first = self.min_query + 1  # tokens the first recorded query sees
         minable = first - self.window - self.sinks - _HARD_SPAN * int(self.top_count(torch.tensor(first)))
         if self.mined_others > minable:
@@ -813,7 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--tops", type=int, default=d.tops, help="top keys per query and step (default %(default)s)")
     o.add_argument("--top-distance-power", type=float, default=d.top_distance_power,
                    help="draw top keys with probability ~ distance from the query ** this, so distant top keys "
-                        "weigh as much as nearby ones (default %(default)s: uniform)")
+                        "weigh as much as recent ones (default %(default)s; 0 draws them uniformly)")
     o.add_argument("--others", type=int, default=d.others, help="other keys per step, shared (default %(default)s)")
     o.add_argument("--hard-others", type=int, default=d.hard_others,
                    help="other keys per query from the ranks just below its top set (default %(default)s)")

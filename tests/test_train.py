@@ -218,6 +218,7 @@ def test_bad_layer_lists_are_refused():
     (["--seq-len", "9000"], "exceeds the model's context window of 8192"),
     (["--sequences", "100000", "--seq-len", "8192"], "lower --sequences or --seq-len"),
     (["--corpus", "{empty}"], "no usable text"),
+    (["--top-distance-power", "-1"], "top_distance_power must be >= 0"),
 ])
 def test_cli_refuses_bad_input_before_long_work(argv, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "empty").mkdir()
