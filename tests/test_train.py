@@ -267,6 +267,14 @@ def test_training_with_distance_weighted_tops_runs_and_learns(tiny):
     assert sum(history.loss[-10:]) < sum(history.loss[:10])
 
 
+def in_top_sets(data, config, batch, keys: torch.Tensor) -> torch.Tensor:
+    """keys (L, Hkv, Q, X) -> bool (L, Hkv, Q, X): the key is in its query's exact top set."""
+    m = config.top_count(data.positions[batch.seq, batch.query] + 1).view(1, 1, -1, 1)
+    ranked = data.ranked[batch.seq][:, :, batch.query].long()  # (L, Hkv, Q, M)
+    rank = torch.arange(ranked.shape[-1]).view(1, 1, 1, -1)
+    return ((ranked.unsqueeze(-2) == keys.unsqueeze(-1)) & (rank < m).unsqueeze(-2)).any(-1)
+
+
 def test_sampled_pairs_respect_the_top_sets(tiny):
     from spotlight.train import sample_batch
 
@@ -274,10 +282,7 @@ def test_sampled_pairs_respect_the_top_sets(tiny):
     config = TrainConfig(**{**TINY, "hard_others": 4})
     batch = sample_batch(data, config, torch.Generator().manual_seed(0))
     n = data.positions[batch.seq, batch.query] + 1  # (Q,)
-    m = config.top_count(n).view(1, 1, -1, 1)
-    ranked = data.ranked[batch.seq][:, :, batch.query].long()  # (L, Hkv, Q, M)
-    rank = torch.arange(ranked.shape[-1]).view(1, 1, 1, -1)
-    in_top = lambda keys: ((ranked.unsqueeze(-2) == keys.unsqueeze(-1)) & (rank < m).unsqueeze(-2)).any(-1)  # noqa: E731
+    in_top = lambda keys: in_top_sets(data, config, batch, keys)  # noqa: E731
     assert bool(in_top(batch.top).all()), "every top key is in its query's top set"
     assert not bool(in_top(batch.hard).any()), "hard others rank below the top set"
     shared = batch.shared.view(1, 1, 1, -1).expand_as(batch.valid)
@@ -295,12 +300,8 @@ def test_distance_power_draws_distant_top_keys_more_often_and_only_from_the_top_
         generator = torch.Generator().manual_seed(0)
         batches = [sample_batch(data, config, generator) for _ in range(20)]
         for batch in batches:
-            n = data.positions[batch.seq, batch.query] + 1  # (Q,)
-            m = config.top_count(n).view(1, 1, -1, 1)
-            ranked = data.ranked[batch.seq][:, :, batch.query].long()  # (L, Hkv, Q, M)
-            rank = torch.arange(ranked.shape[-1]).view(1, 1, 1, -1)
-            in_top = ((ranked.unsqueeze(-2) == batch.top.unsqueeze(-1)) & (rank < m).unsqueeze(-2)).any(-1)
-            assert bool(in_top.all()), f"power {power}: every top key is in its query's top set"
+            assert bool(in_top_sets(data, config, batch, batch.top).all()), \
+                f"power {power}: every top key is in its query's top set"
         distance = [(data.positions[b.seq, b.query].view(1, 1, -1, 1) - b.top).float().mean() for b in batches]
         return float(torch.stack(distance).mean())
 
