@@ -172,8 +172,8 @@ class SpotlightConfig:
     dense_below: int = 2048  # contexts shorter than this use dense attention everywhere
     # From this many cached tokens on, decode picks cache segments by their code summaries first,
     # then tokens inside them (spotlight/twolevel.py); below it the flat scan (the reference) runs.
-    # docs/RESULTS.md "Retrieval kernels": two-level is 4.8x faster at 128K and 6.0x at 512K, but with
-    # the trained encoders it keeps 5.5-8.9 recall points less than the flat scan (docs/DECISIONS.md);
+    # docs/RESULTS.md "Retrieval kernels": two-level is 4.1x faster at 128K and 5.7x at 512K, but with
+    # the trained encoders it keeps 4.3-8.4 recall points less than the flat scan (docs/DECISIONS.md);
     # a flat scan at 32K costs ~0.1 ms per layer, too little to trade.
     two_level_from: int = 65536
 
