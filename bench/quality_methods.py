@@ -161,6 +161,7 @@ class RetrievalProbe:
             in_exact = torch.zeros(Hkv, n, dtype=torch.bool).scatter_(1, exact[:, middle].long(), True)  # (Hkv, n)
             far = in_exact.clone()
             far[:, max(n - self.far, 0):] = False  # (Hkv, n) exact top keys >= self.far tokens back
+            far_total = float(far.sum())
             for name, method in self.methods.items():
                 idx = exact if method.family == "oracle" else torch.as_tensor(
                     method.selector.select(layer, q, self.view(name, cache), n, retrieved, self.sinks, self.window))
@@ -172,7 +173,7 @@ class RetrievalProbe:
                 out = sparse_decode(q, cache.k[layer], cache.v[layer], idx)  # (H, 1, D)
                 error = (out - dense).norm(dim=-1) / dense.norm(dim=-1).clamp(min=1e-12)  # (H, 1)
                 row = np.array([float((hits / size).mean()), float((hits / (2 * size - hits)).mean()),
-                                float(mass.mean()), float(error.mean()), 1.0, float(far_hits), float(far.sum())])
+                                float(mass.mean()), float(error.mean()), 1.0, float(far_hits), far_total])
                 key = (name, budget, layer)
                 self.sums[key] = self.sums.get(key, 0) + row
         return dense

@@ -352,9 +352,10 @@ def sample_batch(data: QKData, config: TrainConfig, generator: torch.Generator) 
     n = data.positions[seq, query] + 1  # (Q,) tokens each query sees
     m = config.top_count(n).view(1, 1, Q, 1)
     ranked = data.ranked[seq][:, :, query].long()  # (L, Hkv, Q, M)
+    top_set = torch.arange(M).view(1, 1, 1, M) < m  # (1, 1, Q, M): the ranks of each query's top set
     if config.top_distance_power:
-        distance = (data.positions[seq, query].view(1, 1, Q, 1) - ranked).clamp(min=1).float()  # (L, Hkv, Q, M)
-        weight = distance.pow(config.top_distance_power) * (torch.arange(M) < m)  # the top set only
+        distance = ((n - 1).view(1, 1, Q, 1) - ranked).clamp(min=1).float()  # (L, Hkv, Q, M)
+        weight = distance.pow(config.top_distance_power) * top_set  # the top set only
         pick = torch.multinomial(weight.view(-1, M), P, replacement=True, generator=generator)
         top = ranked.gather(-1, pick.view(L, Hkv, Q, P))  # (L, Hkv, Q, P)
     else:
@@ -363,7 +364,7 @@ def sample_batch(data: QKData, config: TrainConfig, generator: torch.Generator) 
     shared = config.sinks + torch.randperm(middle_end - config.sinks, generator=generator)[:R]  # (R,)
     slot = torch.full((data.k.shape[3],), R, dtype=torch.long)  # key -> its place in `shared`, R for none
     slot[shared] = torch.arange(R)
-    in_top = torch.where(torch.arange(M).view(1, 1, 1, M) < m, slot[ranked], R)  # (L, Hkv, Q, M)
+    in_top = torch.where(top_set, slot[ranked], R)  # (L, Hkv, Q, M)
     valid = torch.ones(L, Hkv, Q, R + 1, dtype=torch.bool).scatter_(-1, in_top, False)[..., :R]
     middle = (n - config.window - config.sinks).view(1, 1, Q, 1)
     hard_hi = torch.minimum(torch.minimum(_HARD_SPAN * m, middle), torch.tensor(M))
