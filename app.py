@@ -29,7 +29,7 @@ from chat import documents as uploads  # noqa: E402
 from chat import ui_model as ui  # noqa: E402
 from chat.errors import ChatError, NotFoundError  # noqa: E402
 from chat.service import ChatService  # noqa: E402
-from spotlight.config import AppConfig, EngineConfig  # noqa: E402
+from chat.config import AppConfig, EngineConfig  # noqa: E402
 
 STREAM_EVERY = 0.08  # seconds between UI updates while streaming (~12 Hz: long answers stay smooth)
 ENGINE = {"concurrency_id": "engine", "concurrency_limit": 1}  # one model, one queue for all its events

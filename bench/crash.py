@@ -60,7 +60,9 @@ def _text(rng: random.Random, n_words: int) -> str:
 def _service(home: Path, max_new_tokens: int = 24):
     from chat.service import ChatService
     from chat.testing import tiny_engine
-    from spotlight.config import AppConfig, SamplingConfig, StoreConfig
+    from chat.config import AppConfig
+    from memory.config import StoreConfig
+    from spotlight.config import SamplingConfig
 
     config = AppConfig(home=home, sampling=SamplingConfig(max_new_tokens=max_new_tokens))
     store = StoreConfig(root=home / "store", disk_budget_bytes=DISK_BUDGET)

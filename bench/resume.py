@@ -72,7 +72,8 @@ def first_turn_seconds(turns) -> tuple[float, object]:
 
 def service(engine, home: Path):
     from chat.service import ChatService
-    from spotlight.config import AppConfig, SamplingConfig
+    from chat.config import AppConfig
+    from spotlight.config import SamplingConfig
 
     return ChatService(AppConfig(home=home, sampling=SamplingConfig(max_new_tokens=4)), _engine=engine)
 
@@ -144,7 +145,7 @@ def write_synthetic(engine, root: Path) -> str:
     """Store 16 synthetic prefix spans for one session; returns its id."""
     from chat.kv import CacheKey
     from memory import Store
-    from spotlight.config import StoreConfig
+    from memory.config import StoreConfig
 
     ids, rng = synthetic_ids(engine), np.random.default_rng(1)
     key = CacheKey.for_engine(engine, ids)
@@ -162,7 +163,7 @@ def resume_synthetic(root: str, session_id: str, spotlight: bool, threads: int |
     """In a fresh process: restore the 32K spans with a new Store + one decode step, RUNS times."""
     from chat.kv import CacheKey, SpanCache
     from memory import Store
-    from spotlight.config import StoreConfig
+    from memory.config import StoreConfig
 
     engine = load_engine(spotlight, threads)
     service(engine, Path(root)).warm_up()  # as ChatService does after loading its engine

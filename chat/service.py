@@ -24,10 +24,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from memory import CacheSize, MessageRecord, Store
-from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig, StoreConfig
+from memory.config import StoreConfig
+from spotlight.config import SamplingConfig, SpotlightConfig
 from spotlight.errors import SpotlightError
 
 from . import export
+from .config import AppConfig
 from .errors import (
     ChatError,
     ConversationTooLong,

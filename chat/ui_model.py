@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from spotlight.attention import DenseDecode
-from spotlight.config import AppConfig, EngineConfig, SamplingConfig, SpotlightConfig
+from .config import AppConfig
+from spotlight.config import EngineConfig, SamplingConfig, SpotlightConfig
 
 from .records import ChatMessage, DocumentInfo, SessionInfo, Turn
 

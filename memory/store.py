@@ -60,7 +60,7 @@ from memory.lru import PinTable, TouchBuffer
 from memory.migrations import MIGRATIONS
 from memory.spans import SpanStore
 from memory.transcript import ACTIVE_LEAF, TranscriptStore
-from spotlight.config import StoreConfig
+from memory.config import StoreConfig
 
 __all__ = ["ACTIVE_LEAF", "KVSTORE", "SCHEMA_VERSION", "Store", "verify"]
 

@@ -1,12 +1,12 @@
 """Configuration: one frozen dataclass per concern.
 
-Only entry points (CLI, app) read argv and the environment; they build an `AppConfig`
-once and pass it down. Everything here is plain data with consistency checks.
+Only entry points (CLI, app) read argv and the environment; the app composes these
+with the store's config into `chat.config.AppConfig` once and passes it down. Everything here is plain data with consistency checks.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -206,22 +206,6 @@ def default_home() -> Path:
 
 
 @dataclass(frozen=True)
-class StoreConfig:
-    """Persistent memory: where the index and tensor files live, and how much disk they may use."""
-
-    root: Path
-    disk_budget_bytes: int = 8 * 1024**3
-
-    @property
-    def db_path(self) -> Path:
-        return self.root / "index.db"
-
-    @property
-    def spans_dir(self) -> Path:
-        return self.root / "spans"
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """Which model runs where, and how prefill is chunked."""
 
@@ -248,23 +232,3 @@ class EngineConfig:
             raise ValueError(f"kernel_threads must be >= 1, got {self.kernel_threads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
-
-
-@dataclass(frozen=True)
-class AppConfig:
-    """Everything the app needs, composed once at the entry point."""
-
-    home: Path = field(default_factory=default_home)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(repetition_penalty=1.1))
-    spotlight: SpotlightConfig = field(default_factory=SpotlightConfig)
-    system_prompt: str = "You are a helpful assistant. Answer from the document when one is given."
-    host: str = "127.0.0.1"
-    port: int = 7860
-
-    @property
-    def store(self) -> StoreConfig:
-        return StoreConfig(root=self.home / "store")
-
-    def with_(self, **changes) -> "AppConfig":
-        return replace(self, **changes)

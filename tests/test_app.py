@@ -11,7 +11,8 @@ from chat import documents, ui_model as ui
 from chat.records import ChatMessage, DocumentInfo, Turn
 from chat.service import ChatService
 from fakes import echo_engine, free_port
-from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig
+from chat.config import AppConfig
+from spotlight.config import SamplingConfig, SpotlightConfig
 
 # ----------------------------------------------------------------------------- adapters
 

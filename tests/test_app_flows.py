@@ -14,7 +14,8 @@ from gradio_client import Client, handle_file
 
 from chat.service import ChatService
 from fakes import echo_engine, free_port
-from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig
+from chat.config import AppConfig
+from spotlight.config import SamplingConfig, SpotlightConfig
 
 REPLY_LIMIT = 200  # max_new_tokens: "/long" replies run this long unless stopped
 

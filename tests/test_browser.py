@@ -120,7 +120,8 @@ def fake_app(tmp_path_factory):
     import app
     from chat.service import ChatService
     from fakes import echo_engine
-    from spotlight.config import AppConfig, SamplingConfig
+    from chat.config import AppConfig
+    from spotlight.config import SamplingConfig
 
     config = AppConfig(home=tmp_path_factory.mktemp("browser-fake"), sampling=SamplingConfig(max_new_tokens=150))
     service = ChatService(config, _engine=echo_engine(delay=0.03))

@@ -25,7 +25,9 @@ from chat.render import Renderer
 from chat.service import ChatService
 from chat.testing import tiny_engine
 from memory import blobs
-from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig, StoreConfig
+from chat.config import AppConfig
+from memory.config import StoreConfig
+from spotlight.config import SamplingConfig, SpotlightConfig
 
 
 @pytest.fixture(scope="module")

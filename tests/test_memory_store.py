@@ -42,7 +42,7 @@ from memory import (
 )
 from memory.lru import EvictionCandidate, PinTable, TouchBuffer, plan_eviction
 from memory.store import KVSTORE
-from spotlight.config import StoreConfig
+from memory.config import StoreConfig
 
 REPO = Path(__file__).resolve().parents[1]
 FP = dict(model_fp="smollm2-135m@abc", encoder_fp="enc@def")
@@ -582,7 +582,7 @@ _CRASH_CHILD = """
 import sys, numpy as np
 from pathlib import Path
 from memory import Store, SpanTensors
-from spotlight.config import StoreConfig
+from memory.config import StoreConfig
 store = Store(StoreConfig(root=Path(sys.argv[1])))
 session = store.create_session("crash")
 print("ready", flush=True)
@@ -669,7 +669,7 @@ _SECOND_PROCESS = """
 import sys
 from pathlib import Path
 from memory import Store, StoreLocked
-from spotlight.config import StoreConfig
+from memory.config import StoreConfig
 try:
     Store(StoreConfig(root=Path(sys.argv[1]))).close()
     print("opened")

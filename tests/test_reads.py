@@ -9,7 +9,8 @@ from chat import reads, turns, ui_model as ui
 from chat.service import ChatService
 from chat.testing import tiny_engine
 from spotlight.attention import SpotlightDecode
-from spotlight.config import AppConfig, SamplingConfig, SpotlightConfig
+from chat.config import AppConfig
+from spotlight.config import SamplingConfig, SpotlightConfig
 
 DOCUMENT = " ".join(f"Line {i}: the courier arrives on day {i % 7}." for i in range(12))  # ~480 bytes = tokens
 NEW_TOKENS = 5

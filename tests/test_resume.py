@@ -23,7 +23,9 @@ from chat.render import Renderer
 from chat.service import ChatService
 from chat.testing import tiny_engine
 from memory import verify
-from spotlight.config import AppConfig, SamplingConfig, StoreConfig
+from chat.config import AppConfig
+from memory.config import StoreConfig
+from spotlight.config import SamplingConfig
 from spotlight.generate import prefill
 from spotlight.twolevel import code_summary
 

@@ -5,7 +5,8 @@ import pytest
 from chat.service import ChatService
 from chat.sources import AttentionTally, SourceTracker, tally_layers
 from chat.testing import tiny_engine
-from spotlight.config import AppConfig, SamplingConfig
+from chat.config import AppConfig
+from spotlight.config import SamplingConfig
 
 FILLER = [
     "The river valley has many farms that grow wheat and barley in the summer months.",

@@ -3,7 +3,8 @@ import pytest
 
 from chat.service import ChatService
 from chat.testing import tiny_engine
-from spotlight.config import AppConfig, SamplingConfig
+from chat.config import AppConfig
+from spotlight.config import SamplingConfig
 
 PARAGRAPH = "The harbour town trades fish and salt. Its lighthouse was built in 1820. "
 
