@@ -19,13 +19,12 @@ new branch there, and switching back to that branch (`switch_branch`) clears the
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import replace
 
-from memory import CacheSize, MessageRecord, Store
+from memory import CacheSize, MessageRecord, SegmentSpec, Store
 from memory.config import StoreConfig
-from spotlight.config import SamplingConfig, SpotlightConfig
+from segmenter import Document
+from spotlight import ReadMeter
 from spotlight.errors import SpotlightError
 
 from . import export
@@ -39,14 +38,13 @@ from .errors import (
     ModelUnavailable,
     translated,
 )
-from .reads import measuring, uses_spotlight
+from .documents import segment_document
 from .records import ChatMessage, DocumentInfo, MessageId, ResumeReport, SessionId, SessionInfo, Turn
-from .render import Conversation, system_text
+from .render import AttachedDocument, Conversation, DocumentSegment
 from .runtime import CancelFlags, ContextPool, EngineGate
 from .turns import ReplyPlan, TurnRunner
 
 DEFAULT_TITLE = "New chat"
-_WARM_UP_TOKENS = 2
 _TITLE_CHARS = 60
 
 __all__ = ["ChatService", "Turn"]
@@ -72,8 +70,7 @@ class ChatService:
         self._gate = EngineGate()
         self._flags = CancelFlags()
         self._pool = ContextPool(keep_contexts)
-        self._documents: dict[str, tuple[str, str]] = {}  # document id -> (name, text); immutable
-        self._compat: dict[str, SessionId] = {}  # app.py conversation key -> session
+        self._documents: dict[str, AttachedDocument] = {}  # document id -> text and segments; immutable
 
     # ------------------------------------------------------------------ resources
 
@@ -93,14 +90,14 @@ class ChatService:
                     engine = Engine.load(self.config.engine, self.config.home, spotlight=self.config.spotlight)
                 except SpotlightError as exc:
                     raise ModelUnavailable(f"the model could not be loaded: {exc}") from exc
-                warm_up(engine)
+                engine.warm_up()
                 self._engine = engine
             return self._engine
 
     def reconfigured(self, config: AppConfig) -> "ChatService":
         """A service for `config` over the same store, and this one closed (call when no reply
         runs). The loaded model is kept when `config.engine` is unchanged; a Spotlight change
-        swaps only the decode policy (`with_spotlight`), so no warm Context or span of the old
+        swaps only the decode policy (`Engine.with_spotlight`), so no warm Context or span of the old
         policy is reused: the new service starts with no warm contexts and restores each
         conversation from the spans stored under its own encoder fingerprint. A model that
         does not load raises `ModelUnavailable` and leaves this service as it was."""
@@ -109,7 +106,7 @@ class ChatService:
             engine = self.engine
             if config.spotlight != self.config.spotlight:
                 try:
-                    engine = with_spotlight(engine, config.spotlight)
+                    engine = engine.with_spotlight(config.spotlight)
                 except SpotlightError as exc:
                     raise ModelUnavailable(f"Spotlight could not be set up: {exc}") from exc
         fresh = ChatService(config, _engine=engine, store_config=self.store_config, keep_contexts=self._pool.capacity)
@@ -123,7 +120,7 @@ class ChatService:
         2 CPU cores), which would otherwise land on the first reply or resume."""
         engine = self.engine
         with self._gate.hold("warm-up"):
-            return warm_up(engine)
+            return engine.warm_up()
 
     @property
     def store(self) -> Store:
@@ -144,7 +141,7 @@ class ChatService:
 
     def warnings(self) -> tuple[str, ...]:
         """Things the UI should show once (e.g. untrained Spotlight encoders)."""
-        return tuple(getattr(self.engine, "warnings", ()))
+        return tuple(self.engine.warnings)
 
     def close(self) -> None:
         """Drop the warm contexts and close the store (call when no reply is running)."""
@@ -276,32 +273,38 @@ class ChatService:
     def stop(self, session_id: str) -> None:
         """Ask the running reply (or resume) of a conversation to stop: it does within one
         decode step or prefill chunk. No-op when nothing runs."""
-        self._flags.cancel(self._compat.get(session_id, session_id))
+        self._flags.cancel(session_id)
 
-    def resume(self, session_id: SessionId) -> ResumeReport:
+    def resume(self, session_id: SessionId, progress=None) -> ResumeReport:
         """Make the conversation's KV cache ready without generating: from memory, else from
-        its span files (verified), prefilling and storing whatever is missing."""
+        its span files (verified), prefilling and storing whatever is missing;
+        `progress(tokens done, tokens total)` after each prefill chunk."""
         with translated(session_id), self._flags.running(session_id) as cancel:
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records)
-            return self.runner.resume(session_id, conversation, [r.id for r in records], cancel)
+            return self.runner.resume(session_id, conversation, [r.id for r in records], cancel, progress)
 
     # ------------------------------------------------------------------ documents
 
     def attach_text(self, session_id: SessionId, name: str, text: str, *, pages: int | None = None) -> DocumentInfo:
-        """Attach a plain-text document (`pages`: its page count, if it had pages) to the
-        conversation's prefix (the system message). Refused with `ConversationTooLong` if
-        the conversation would not fit the context window. Its KV cache is computed on the
-        next message (or `resume`)."""
-        if not text.strip():
-            raise InvalidAction(f"the document {name!r} is empty; attach a file with text in it")
+        """Attach plain text as a document (see `attach_document`)."""
+        return self.attach_document(session_id, Document(name, "txt", text, page_count=pages))
+
+    def attach_document(self, session_id: SessionId, document: Document) -> DocumentInfo:
+        """Attach a read document (segmenter) to the conversation's prefix (the system
+        message): it is cut into segments once, here, with their pages and headings, and
+        stored with them. Refused with `ConversationTooLong` if the conversation would not
+        fit the context window. Its KV cache is computed on the next message (or `resume`)."""
+        if not document.text.strip():
+            raise InvalidAction(f"the document {document.name!r} is empty; attach a file with text in it")
         with translated(session_id), self._flags.running(session_id):
             records = self._visible(session_id)
-            conversation = self._conversation(session_id, records)
-            with_document = Conversation(system_text(conversation.system, [(name, text)]), conversation.messages)
-            self._check_fits(with_document)
-            n_tokens = len(self.engine.encode(text))
-            record = self.store.add_document(name, text, pages=pages, n_tokens=n_tokens, session_id=session_id)
+            segments = segment_document(document, self.engine.count_tokens)
+            attached = AttachedDocument("", document.name, document.text, tuple(segments))
+            self._check_fits(self._conversation(session_id, records).with_document(attached))
+            record = self.store.add_document(
+                document.name, document.text, pages=document.page_count, session_id=session_id,
+                n_tokens=self.engine.count_tokens(document.text), segments=[_segment_spec(s) for s in segments])
             return _document_info(record)
 
     def documents(self, session_id: SessionId) -> list[DocumentInfo]:
@@ -358,7 +361,7 @@ class ChatService:
         with translated(session_id):
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records).plus("user", summary.REQUEST)
-            documents = [self._document(d.id) for d in self.store.session_documents(session_id)]
+            documents = conversation.documents
         if not documents:
             raise InvalidAction("there is no document to summarize; attach one first")
         prompt = self.runner.renderer.prompt(conversation)
@@ -370,44 +373,15 @@ class ChatService:
                                           parent_id=records[-1].id if records else None)
             turn = Turn(session_id, user_message_id=user.id)
             system = self.store.get_session(session_id).system_prompt
-            with self._gate.hold(session_id), measuring(self.engine) as meter:
+            meter = ReadMeter()
+            with self._gate.hold(session_id):
                 yield from summary.map_reduce(self.engine, self.config.sampling, system, documents, turn,
-                                              cancel, progress)
-            turn.read_share, turn.spotlight = meter.share(), uses_spotlight(self.engine)
+                                              cancel, progress, observers=[meter])
+            turn.read_share, turn.spotlight = meter.share(), not self.engine.decodes_densely
             stats = {**turn.stats(), "summary": "map-reduce"}
             turn.message_id = self.store.add_message(session_id, "assistant", turn.text, parent_id=user.id,
                                                      metadata={"stats": stats}).id
         yield turn
-
-    # ------------------------------------------------------------------ app.py compatibility
-
-    def reply(self, conversation: str, history: list[dict], user_text: str) -> Iterator[Turn]:
-        """Stateless adapter for a UI that keeps the history itself: `conversation` is any key
-        (e.g. Gradio's session hash). The key maps to a stored conversation; when `history`
-        differs from it, a new conversation is created from `history` first."""
-        pairs = [(m["role"], m["content"]) for m in history]
-        session_id = self._compat.get(conversation)
-        if session_id is None or self._pairs(session_id) != pairs:
-            session_id = self._session_from(pairs)
-            self._compat[conversation] = session_id
-        return self.send(session_id, user_text)
-
-    def _pairs(self, session_id: SessionId) -> list[tuple[str, str]] | None:
-        """(role, content) of the visible conversation; None if it no longer exists."""
-        try:
-            with translated(session_id):
-                return [(r.role, r.content) for r in self._visible(session_id)]
-        except LookupError:
-            return None
-
-    def _session_from(self, pairs: list[tuple[str, str]]) -> SessionId:
-        session = self.create()
-        with translated(session.id):
-            for role, content in pairs:
-                self.store.add_message(session.id, role, content)
-            if pairs:
-                self._title_from(session.id, pairs[0][1])
-        return session.id
 
     # ------------------------------------------------------------------ helpers
 
@@ -427,14 +401,23 @@ class ChatService:
 
     def _conversation(self, session_id: SessionId, records: list[MessageRecord]) -> Conversation:
         session = self.store.get_session(session_id)
-        documents = [self._document(d.id) for d in self.store.session_documents(session_id)]
-        return Conversation(system_text(session.system_prompt, documents),
-                            tuple((r.role, r.content) for r in records))
+        documents = tuple(self._document(d.id) for d in self.store.session_documents(session_id))
+        return Conversation(session.system_prompt, documents, tuple((r.role, r.content) for r in records))
 
-    def _document(self, document_id: str) -> tuple[str, str]:
+    def _document(self, document_id: str) -> AttachedDocument:
+        """The document with its stored segments. A document stored without segments (before
+        they were stored at ingest, or imported) is cut now, once, and its segments stored."""
         if document_id not in self._documents:
-            self._documents[document_id] = (self.store.get_document(document_id).name,
-                                            self.store.document_text(document_id))
+            record, text = self.store.get_document(document_id), self.store.document_text(document_id)
+            rows = self.store.segments(document_id)
+            if not rows:
+                specs = [_segment_spec(s) for s in segment_document(Document(record.name, "txt", text),
+                                                                    self.engine.count_tokens)]
+                self.store.add_document(record.name, text, segments=specs)
+                rows = self.store.segments(document_id)
+            segments = tuple(DocumentSegment(r.ordinal, r.char_start, r.char_end, r.page, r.heading, r.n_tokens, r.id)
+                             for r in rows)
+            self._documents[document_id] = AttachedDocument(document_id, record.name, text, segments)
         return self._documents[document_id]
 
     def _check_fits(self, conversation: Conversation) -> None:
@@ -465,55 +448,8 @@ class ChatService:
                            siblings.index(record.id), len(siblings), record.metadata.get("stats", {}))
 
 
-def with_spotlight(engine, spotlight: SpotlightConfig):
-    """`engine` decoding as `spotlight` says: the same engine when its policy already does, else
-    a copy sharing the model and tokenizer with a new policy (the encoders are kept when their
-    code width still fits, else found again as `Engine.load` finds them). The original engine
-    is left unchanged, so a reply still running on it is not affected."""
-    from spotlight.attention import CodeSelector, DenseDecode, SpotlightDecode
-    from spotlight.engine import find_encoders
-
-    policy = engine.policy
-    if not spotlight.enabled:
-        return engine if isinstance(policy, DenseDecode) else replace(engine, policy=DenseDecode(), warnings=())
-    if isinstance(policy, SpotlightDecode) and policy.config == spotlight:
-        return engine
-    encoders = getattr(getattr(policy, "selector", None), "encoders", None)
-    warnings = engine.warnings
-    if encoders is None or encoders.spec.bits != spotlight.bits:
-        encoders, found = find_encoders(engine.args, engine.fingerprint, spotlight.bits, engine.config.encoder_path)
-        warnings = tuple(found)
-    return replace(engine, policy=SpotlightDecode(spotlight, CodeSelector(encoders)), warnings=warnings)
-
-
-def warm_up(engine) -> float:
-    """One short prefill + decode on a throwaway context; the seconds it took. With Spotlight
-    the decode also runs once through the sparse path (`_warm_up_sparse`)."""
-    started = time.perf_counter()
-    engine.prefault_buffers()  # the first resume's K/V memory, mapped in now rather than then
-    ids = engine.encode("Warm up.") or [0]
-    sampling = SamplingConfig(max_new_tokens=_WARM_UP_TOKENS)
-    for _ in engine.stream(engine.new_context(len(ids) + _WARM_UP_TOKENS), ids, sampling):
-        pass
-    if getattr(getattr(engine.policy, "config", None), "enabled", False):
-        _warm_up_sparse(engine, ids, sampling)
-    return time.perf_counter() - started
-
-
-def _warm_up_sparse(engine, ids: list[int], sampling: SamplingConfig) -> None:
-    """Decode `ids` with the engine's Spotlight selector in every layer (a copy of its policy
-    that selects from a few tokens), so the first long reply does not pay the selection and
-    attention kernels' one-time start: ~5 s on 2 cores when numba compiles them (first run
-    after an install), milliseconds when its cache has them."""
-    from spotlight.attention import SpotlightDecode
-    from spotlight.generate import stream
-
-    sparse = replace(engine.policy.config, dense_layers=(), dense_below=0, sinks=1, window=1, k_min=1)
-    policy = SpotlightDecode(sparse, engine.policy.selector)
-    context = engine.new_context(len(ids) + _WARM_UP_TOKENS)
-    for _ in stream(engine.model, engine.tokenizer, context, ids, policy, sampling, eos_ids=set(),
-                    max_context=engine.max_context, chunk=engine.config.prefill_chunk):
-        pass
+def _segment_spec(segment: DocumentSegment) -> SegmentSpec:
+    return SegmentSpec(segment.char_start, segment.char_end, segment.page, segment.heading, segment.n_tokens)
 
 
 def _document_info(record) -> DocumentInfo:

@@ -31,6 +31,7 @@ class ByteTokenizer:
 
     eos_token_id = SPECIAL_TOKENS["<|endoftext|>"]
     unk_token_id = UNKNOWN_TOKEN
+    is_fast = True  # it reports offsets (`__call__`) as a fast tokenizer does
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Bytes, except that the special tokens' text becomes their ids (as a real tokenizer does)."""
@@ -41,6 +42,24 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False) -> dict:
+        """Ids and, like a fast tokenizer, each token's (start, end) characters: a special token
+        spans its text, every byte of a character spans that character."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        position = 0
+        for piece in _SPECIALS.split(text):
+            if piece in SPECIAL_TOKENS:
+                ids.append(SPECIAL_TOKENS[piece])
+                offsets.append((position, position + len(piece)))
+            else:
+                for char_index, char in enumerate(piece):
+                    data = char.encode()
+                    ids += list(data)
+                    offsets += [(position + char_index, position + char_index + 1)] * len(data)
+            position += len(piece)
+        return {"input_ids": ids, "offset_mapping": offsets} if return_offsets_mapping else {"input_ids": ids}
 
     def convert_tokens_to_ids(self, name: str) -> int:
         return SPECIAL_TOKENS.get(name, UNKNOWN_TOKEN)

@@ -1,16 +1,20 @@
 """Running the engine for a conversation: one reply, or a resume, with persistent KV memory.
 
-A reply (`TurnRunner.reply`), all under the engine gate:
-  1. render the visible conversation + generation prompt (chat.render);
-  2. take the conversation's warm Context, or restore one from its spans (chat.kv);
-  3. stream: the engine keeps the common prefix, prefills the rest, decodes;
+A reply (`TurnRunner.reply`) enters each module once, top to bottom, under the engine gate:
+  1. render the visible conversation + generation prompt (chat/render.py: one Rendering);
+  2. take the conversation's warm Context, or restore one from its spans (chat/cachesync.py);
+  3. stream: the engine keeps the common prefix, prefills the rest, decodes; its observers
+     measure the read share and tally the attention sources come from (chat/sources.py);
   4. commit the assistant message (the caller's `store_reply`);
-  5. canonicalise: render the conversation with the reply and bring the Context to
-     exactly those ids (truncate where the generated ids differ from the re-tokenised
-     reply, prefill the difference: at least the end-of-turn tokens);
-  6. copy the parts that have no span yet out of the Context;
-then, outside the gate, write those spans and yield the final Turn. So the stored
-chain always equals what `engine.chat_ids(messages)` renders for the conversation.
+  5. settle: render the conversation with the reply and bring the Context to exactly those
+     ids (truncate where the generated ids differ from the re-tokenised reply, prefill the
+     difference: at least the end-of-turn tokens);
+  6. copy the parts that have no span yet out of the Context (cachesync.plan + snapshot);
+then, outside the gate, store those spans (cachesync.write) and yield the final Turn. So the
+stored chain always equals what the renderer gives for the conversation.
+
+    send:  service -> turns -> render -> cachesync (restore) -> engine.stream
+                            -> (store reply) -> render -> engine.prefill -> cachesync (plan, snapshot, write) -> memory
 """
 from __future__ import annotations
 
@@ -19,18 +23,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from memory import MessageId, MessageRecord, SessionId, Store
+from spotlight import Context, ReadMeter
 from spotlight.config import SamplingConfig
-from spotlight.generate import Context, prefill
 
-from .kv import CacheKey, Restored, SpanCache
-from .reads import measuring, uses_spotlight
+from .cachesync import CacheSync, Restored
 from .records import ResumeReport, Turn
-from .render import Conversation, Renderer
+from .render import Conversation, Renderer, Rendering
 from .runtime import ContextPool, EngineGate
 from .sources import SourceTracker
 
 _END_OF_TURN_ROOM = 16  # tokens: the end-of-turn marker that settling appends after a reply
 StoreReply = Callable[[str, dict], MessageRecord]  # (content, stats) -> the committed assistant message
+PrefillProgress = Callable[[int, int], None]  # (tokens done, tokens total)
 
 
 @dataclass(slots=True)
@@ -45,16 +49,6 @@ class ReplyPlan:
     sources: bool = True  # tally the reply's attention over attached documents (chat/sources.py)
 
 
-@dataclass(slots=True)
-class _Prepared:
-    """A Context brought up to date for a rendering, with what it took."""
-
-    context: Context
-    key: CacheKey
-    prefix_ids: list[int]
-    restored: Restored | None  # None: the Context was already in memory
-
-
 class TurnRunner:
     """Runs replies and resumes on one engine against one store."""
 
@@ -65,8 +59,7 @@ class TurnRunner:
         self.pool = pool
         self.gate = gate
         self.renderer = Renderer(engine)
-        self.spans = SpanCache(store, engine)
-        self._linked: set[tuple[str, str]] = set()  # (session, prefix hash) linked by this process
+        self.sync = CacheSync(store, engine)
 
     def check_fits(self, conversation: Conversation) -> None:
         """`ContextTooLong` unless the conversation's prompt leaves room for a reply token."""
@@ -84,35 +77,32 @@ class TurnRunner:
         with self.gate.hold(plan.session_id):
             # the decode loop stops at the model's window, so no room beyond it is needed up front
             capacity = min(len(prompt) + self.sampling.max_new_tokens + _END_OF_TURN_ROOM, self.engine.max_context)
-            prepared = self._prepare(plan.session_id, plan.conversation, prompt, cancel, capacity)
-            self._report_restore(turn, prepared.restored)
-            prepared.context.cache.reserve(capacity)
-            tracker = SourceTracker.for_prompt(self.engine, plan.conversation.system, prompt) if plan.sources else None
-            with measuring(self.engine) as meter:
-                if tracker is not None:
-                    tracker.start()
-                try:
-                    for step in self.engine.stream(prepared.context, prompt, self.sampling, cancel=cancel):
-                        turn.text += step.text
-                        if step.finish is None:
-                            yield turn
-                            continue
-                        _fill_stats(turn, step.finish, step.stats, prepared.restored)
-                except GeneratorExit:
-                    closed, turn.finish = True, "cancelled"
-                    cancel.set()
-                finally:
-                    if tracker is not None:
-                        tracker.stop()
-            turn.read_share, turn.spotlight = meter.share(), uses_spotlight(self.engine)
+            context, restored = self._prepare(plan.session_id, prompt, cancel, capacity)
+            _report_restore(turn, restored)
+            context.reserve(capacity)
+            tracker = SourceTracker.for_rendering(plan.conversation, prompt) if plan.sources else None
+            meter = ReadMeter()
+            observers = [meter] if tracker is None else [meter, tracker.observer]
+            try:
+                for step in self.engine.stream(context, list(prompt.ids), self.sampling, cancel=cancel,
+                                               observers=observers):
+                    turn.text += step.text
+                    if step.finish is None:
+                        yield turn
+                        continue
+                    _fill_stats(turn, step.finish, step.stats, restored)
+            except GeneratorExit:
+                closed, turn.finish = True, "cancelled"
+                cancel.set()
+            turn.read_share, turn.spotlight = meter.share(), not self.engine.decodes_densely
             if tracker is not None and turn.text:
                 turn.sources = tracker.sources() or None
-            pending = self._commit(plan, turn, prepared, cancel)
-        turn.notices += self._save(plan.session_id, prepared, pending)
+            full, pending = self._commit(plan, turn, context, cancel)
+        turn.notices += self.sync.write(plan.session_id, full, pending)
         if not closed:  # a closed generator must not yield again
             yield turn
 
-    def _commit(self, plan: ReplyPlan, turn: Turn, prepared: _Prepared, cancel) -> list:
+    def _commit(self, plan: ReplyPlan, turn: Turn, context: Context, cancel) -> tuple[Rendering, list]:
         """Store the reply (if any text came), then settle the Context on the conversation
         including it. A stop during prefill (no text) also stops settling; a stop while
         decoding still stores the reply and its end-of-turn tokens."""
@@ -121,113 +111,67 @@ class TurnRunner:
             message = plan.store_reply(turn.text, turn.stats())
             turn.message_id = message.id
             conversation, message_ids = conversation.plus("assistant", turn.text), message_ids + [message.id]
-        pending, _ = self._settle(plan.session_id, prepared, conversation, message_ids,
-                                  cancel=None if turn.text else cancel)
-        return pending
+        full, pending, _ = self._settle(plan.session_id, context, conversation, message_ids,
+                                        cancel=None if turn.text else cancel)
+        return full, pending
 
     # ------------------------------------------------------------------ resume
 
-    def resume(
-        self, session_id: SessionId, conversation: Conversation, message_ids: list[MessageId], cancel
-    ) -> ResumeReport:
+    def resume(self, session_id: SessionId, conversation: Conversation, message_ids: list[MessageId], cancel,
+               progress: PrefillProgress | None = None) -> ResumeReport:
         """Make the conversation's Context ready: from memory, else from its spans, then
-        prefill whatever is not stored, and store it."""
+        prefill whatever is not stored (reporting `progress`), and store it."""
         started = time.perf_counter()
-        full = self.renderer.full(conversation)
         report = ResumeReport(session_id)
-        if not full:
+        rendering = self.renderer.full(conversation)
+        if not len(rendering):
             return report
-        self.engine.check_fits(len(full))
+        self.engine.check_fits(len(rendering))
         with self.gate.hold(session_id):
-            prepared = self._prepare(session_id, conversation, full, cancel)
-            pending, report.computed_tokens = self._settle(
-                session_id, prepared, conversation, message_ids, cancel=cancel
-            )
-        restored = prepared.restored
+            context, restored = self._prepare(session_id, rendering, cancel)
+            full, pending, report.computed_tokens = self._settle(session_id, context, conversation, message_ids,
+                                                                 cancel=cancel, progress=progress)
         report.from_memory = restored is None
         if restored is not None:
             report.restored_tokens = restored.restored
             report.computed_tokens += restored.recomputed
             report.notices += restored.notices
-        report.notices += self._save(session_id, prepared, pending)
-        report.n_tokens = len(prepared.context.tokens)
+        report.notices += self.sync.write(session_id, full, pending)
+        report.n_tokens = len(context.tokens)
         report.seconds = time.perf_counter() - started
         return report
 
     # ------------------------------------------------------------------ steps
 
-    def _prepare(
-        self, session_id: SessionId, conversation: Conversation, ids: list[int], cancel, capacity: int = 0
-    ) -> _Prepared:
-        """The conversation's Context: warm from the pool, else restored from disk (with
-        room for `capacity` tokens, so the reply does not grow and copy the cache)."""
-        prefix_len = self.renderer.prefix_len(conversation, ids)
-        prefix_ids = ids[:prefix_len]
-        key = CacheKey.for_engine(self.engine, prefix_ids)
+    def _prepare(self, session_id: SessionId, rendering: Rendering, cancel,
+                 capacity: int = 0) -> tuple[Context, Restored | None]:
+        """The conversation's Context: warm from the pool (restored None), else restored from
+        disk (with room for `capacity` tokens, so the reply does not grow and copy the cache)."""
         context = self.pool.get(session_id)
         if context is not None:
-            return _Prepared(context, key, prefix_ids, None)
-        context, restored = self.spans.restore(session_id, ids, key, prefix_len, cancel=cancel, capacity=capacity)
-        restored.notices[:0] = self._fingerprint_notices(session_id, key)
+            return context, None
+        context, restored = self.sync.restore(session_id, rendering, cancel=cancel, capacity=capacity)
         self.pool.put(session_id, context)
-        return _Prepared(context, key, prefix_ids, restored)
+        return context, restored
 
-    def _settle(self, session_id, prepared: _Prepared, conversation, message_ids, *, cancel) -> tuple[list, int]:
+    def _settle(self, session_id: SessionId, context: Context, conversation: Conversation, message_ids, *,
+                cancel, progress: PrefillProgress | None = None) -> tuple[Rendering, list, int]:
         """Bring the Context to exactly the conversation's rendering and copy out the parts
-        that have no span yet (under the gate). Returns (pending spans, tokens prefilled)."""
+        that have no span yet (under the gate). Returns (the rendering, pending spans, tokens
+        prefilled)."""
         full = self.renderer.full(conversation)
-        context = prepared.context
-        context.truncate(context.common_prefix(full))
-        missing = full[len(context.tokens):]
-        engine = self.engine
-        prefill(engine.model, context, missing, engine.policy, chunk=engine.config.prefill_chunk, cancel=cancel)
-        if context.tokens != full:
-            return [], len(missing)  # cancelled: store nothing now, the next turn completes it
-        parts = self.spans.plan(
-            session_id, prepared.key, full, len(prepared.prefix_ids), message_ids,
-            lambda index, floor: self.renderer.message_end(conversation, index, full, floor),
-        )
-        return self.spans.snapshot(context, parts), len(missing)
+        context.truncate(context.common_prefix(list(full.ids)))
+        missing = list(full.ids[len(context.tokens):])
+        if not self.engine.prefill(context, missing, cancel=cancel, progress=progress):
+            return full, [], len(missing)  # cancelled: store nothing now, the next turn completes it
+        parts = self.sync.plan(session_id, full, message_ids)
+        return full, self.sync.snapshot(context, parts), len(missing)
 
-    def _save(self, session_id: SessionId, prepared: _Prepared, pending: list) -> list[str]:
-        """Write the copied spans, link the shared prefix, remember the fingerprints used."""
-        notices = self.spans.write(session_id, prepared.key, pending, prepared.prefix_ids)
-        link = (session_id, prepared.key.prefix_hash(prepared.prefix_ids))
-        if prepared.prefix_ids and link not in self._linked:
-            self.spans.link(session_id, prepared.key, prepared.prefix_ids)
-            self._linked.add(link)
-        self._record_fingerprints(session_id, prepared.key)
-        return notices
 
-    def _fingerprint_notices(self, session_id: SessionId, key: CacheKey) -> list[str]:
-        """Say so when the conversation's cache was computed by another model or encoder."""
-        stored = self.store.get_session(session_id).settings.get("kv")
-        if not stored:
-            return []
-        notices = []
-        if stored.get("model_fp") != key.model_fp:
-            notices.append(
-                f"This conversation's cache was computed with another model (fingerprint "
-                f"{stored.get('model_fp')!r}, now {key.model_fp!r}); it is recomputed, not reused."
-            )
-        elif stored.get("encoder_fp") != key.encoder_fp:
-            notices.append(
-                f"This conversation's cache was computed with other Spotlight encoders (fingerprint "
-                f"{stored.get('encoder_fp')!r}, now {key.encoder_fp!r}); it is recomputed, not reused."
-            )
-        return notices
-
-    def _record_fingerprints(self, session_id: SessionId, key: CacheKey) -> None:
-        current = {"model_fp": key.model_fp, "encoder_fp": key.encoder_fp}
-        settings = self.store.get_session(session_id).settings
-        if settings.get("kv") != current:
-            self.store.update_session(session_id, settings={**settings, "kv": current})
-
-    @staticmethod
-    def _report_restore(turn: Turn, restored: Restored | None) -> None:
-        if restored is not None:
-            turn.restored_tokens = restored.restored
-            turn.notices += restored.notices
+def _report_restore(turn: Turn, restored: Restored | None) -> None:
+    if restored is not None:
+        turn.restored_tokens = restored.restored
+        turn.notices += restored.notices
 
 
 def _fill_stats(turn: Turn, finish: str, stats, restored: Restored | None) -> None:

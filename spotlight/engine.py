@@ -113,6 +113,26 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def chat_text(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """A conversation rendered by the model's chat template, as text (special tokens included)."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def token_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids of `text`, the character offset where each token starts), in one pass.
+
+        Fast tokenizers report offsets themselves; for others each token's start is the length
+        of the text its predecessors decode to (exact for byte- and piece-level vocabularies)."""
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "is_fast", False):
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        starts, position = [], 0
+        for token in ids:
+            starts.append(position)
+            position += len(tokenizer.decode([token], skip_special_tokens=False))
+        return ids, starts
+
     def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template (its text, tokenised
         piece by piece: a long document already seen in this process is not tokenised again)."""
