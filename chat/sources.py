@@ -43,10 +43,12 @@ class SourceTracker:
         return cls(conversation, rendering, ranges) if ranges else None
 
     def sources(self, top: int = TOP_SOURCES) -> list[Source]:
-        """The `top` segments by their best sentence's score, with that sentence as the quote."""
-        if not self.observer.steps:
-            return []
-        mass = self.observer.mass  # (limit,) float64
+        """The reply's sources (none before its first decode step)."""
+        return self.rank(self.observer.mass, top) if self.observer.steps else []
+
+    def rank(self, mass: np.ndarray, top: int = TOP_SOURCES) -> list[Source]:
+        """The `top` segments by their best sentence's score under `mass` (attention per
+        position, (limit,)), each with that sentence as its quote."""
         cumulative = np.concatenate(([0.0], np.cumsum(mass)))  # (limit + 1,)
         segment_mass = np.array([cumulative[r.end] - cumulative[r.start] for r in self.ranges])
         total = float(segment_mass.sum())

@@ -2,12 +2,12 @@
 
 Structure first, then topic, always within a token bound:
 
- 1. Units. The text is cut at heading starts into sections: a heading line, then a body. A body
+ 1. Units. The text is cut at heading and page starts into sections: a heading line, then a body. A body
     that fits `max_tokens` is one unit; a longer body is split into paragraphs and sentences, and
     a single sentence longer than `max_tokens` into line / word / character chunks (flagged).
     Every unit keeps its trailing whitespace, so units tile the text.
- 2. Cut costs. Each unit start is a candidate boundary with a cost: negative at a heading (cut
-    there unless a piece would get too short), low at a paragraph break, higher between
+ 2. Cut costs. Each unit start is a candidate boundary with a cost: negative at a heading or a
+    page start (cut there unless a piece would get too short), low at a paragraph break, higher between
     sentences, lower where the sentence windows on either side are dissimilar (a topic shift:
     embeddings when `embed` is given, TF-IDF cosine otherwise), prohibitive inside a sentence or
     between a heading and its body.
@@ -42,6 +42,9 @@ HEADING_PATH_SEPARATOR = " › "
 # Cut costs (dimensionless; only their order and differences matter).
 HEADING_CUT_COST = -2.0  # negative: a heading is always a boundary unless a piece would be too short
 HEADING_LEVEL_STEP = 0.1  # deeper headings cost a little more, so a chapter break beats a section break
+# A page start is a boundary too (a PDF source then names the page its passage is on), a little
+# weaker than any heading, so a heading further down the page still wins within the bound.
+PAGE_CUT_COST = -1.0
 PARAGRAPH_CUT_COST = 0.5
 SENTENCE_CUT_COST = 1.0
 VALLEY_BONUS = 0.3  # a significant similarity valley: prefer it, but a paragraph break still wins
@@ -160,17 +163,20 @@ def segment(doc: Document, count_tokens: CountTokens, *, max_tokens: int = DEFAU
 
 
 def _units(doc: Document, count: CountTokens, max_tokens: int, embed: Embed | None) -> list[_Unit]:
-    """Units of the whole text, section by section (a section starts at a heading start)."""
+    """Units of the whole text, section by section (a section starts at a heading or a page start)."""
     text = doc.text
     level_at: dict[int, int] = {}
     for heading in doc.headings:
         if heading.char_start < len(text):
             level_at[heading.char_start] = min(heading.level, level_at.get(heading.char_start, heading.level))
-    bounds = sorted({0, *level_at}) + [len(text)]
+    page_starts = {page.char_start for page in doc.pages if 0 < page.char_start < len(text)}
+    bounds = sorted({0, *level_at, *page_starts}) + [len(text)]
     units: list[_Unit] = []
     for start, end in zip(bounds, bounds[1:]):
         level = level_at.get(start)
-        cut_cost = PARAGRAPH_CUT_COST if level is None else HEADING_CUT_COST + HEADING_LEVEL_STEP * level
+        cut_cost = PAGE_CUT_COST if start in page_starts else PARAGRAPH_CUT_COST
+        if level is not None:
+            cut_cost = HEADING_CUT_COST + HEADING_LEVEL_STEP * level
         body_start, heading_tokens = start, 0
         if level is not None:
             body_start = _heading_line_end(text, start, end)

@@ -272,3 +272,14 @@ def test_a_heading_longer_than_max_tokens_is_treated_as_body():
     check_tiling(markdown(text), segments)
     assert all(s.n_tokens <= 12 for s in segments)
     assert not any(s.split_sentence for s in segments)
+
+
+def test_page_starts_are_boundaries_when_pages_are_long_enough():
+    """Issue #18: a PDF source names the page its passage is on, so segments do not cross pages."""
+    pages_text = [" ".join(f"Page {p} sentence {i} is here." for i in range(20)) for p in (1, 2, 3)]
+    text = "\n\n".join(pages_text)
+    starts = [0, len(pages_text[0]) + 2, len(pages_text[0]) + len(pages_text[1]) + 4]
+    doc = Document(name="r.pdf", format="pdf", text=text, pages=tuple(PageStart(s, p + 1) for p, s in enumerate(starts)),
+                   page_count=3)
+    segments = segment(doc, words, max_tokens=512, min_tokens=32)
+    assert [(s.char_start, s.page) for s in segments] == [(starts[0], 1), (starts[1], 2), (starts[2], 3)]
