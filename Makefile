@@ -34,6 +34,8 @@ run: setup
 	$(PY) app.py --host $(HOST) --port $(PORT)
 
 test: setup
+	@# The import contracts (.importlinter) first: a layering break fails fast, before the suite.
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from memory import SessionId
-from spotlight.generate import Context
+from spotlight import Context
 
 from .errors import EngineBusy
 

@@ -84,7 +84,7 @@ class ChatService:
         other kind of engine. An injected `_engine` keeps its own policy."""
         with self._open_lock:
             if self._engine is None:
-                from spotlight.engine import Engine
+                from spotlight import Engine
 
                 try:
                     engine = Engine.load(self.config.engine, self.config.home, spotlight=self.config.spotlight)

@@ -1,51 +1,69 @@
-"""Documents in the prefix (chat/documents.py): where each semantic segment ends among the
-rendered prefix ids, so each becomes its own span and cache segment. Issue #6, part 3."""
-import pytest
+"""Uploads (chat/documents.py): a document is read and cut into segments once, at ingest,
+keeping pages and headings; prefill progress is measured, not estimated (issue #18)."""
+import itertools
 
-from chat.documents import SEGMENT_TOKENS, segment_ends
-from chat.render import system_text
+from chat.config import AppConfig
+from chat.documents import PrefillProgress, ingest, prefill_text, segment_document
+from chat.service import ChatService
 from chat.testing import tiny_engine
-from segmenter import Document, segment
+from files import make_docx, make_pdf
+from segmenter import read_document
+from spotlight.config import SamplingConfig
 
-PARAGRAPHS = [" ".join(f"Paragraph {i} sentence {j} tells about topic {i * 7 + j} in some detail." for j in range(12))
-              for i in range(8)]
-LONG = "\n\n".join(PARAGRAPHS)  # ~5,800 characters: several segments
-SHORT = "Second file. " * 40
-
-
-def prefix_ids(engine, documents):
-    system = system_text("Be brief.", documents)
-    return engine.chat_ids([{"role": "system", "content": system}], add_generation_prompt=False)
+PAGE_LINES = [[f"Page {page} line {line} says something about the harvest of year {1900 + line}." for line in range(12)]
+              for page in (1, 2, 3)]
 
 
-def segments_of(engine, text):
-    return segment(Document("document", "txt", text), lambda s: len(engine.encode(s)), max_tokens=SEGMENT_TOKENS)
+def test_pdf_segments_keep_their_pages(tmp_path):
+    path = tmp_path / "report.pdf"
+    path.write_bytes(make_pdf(PAGE_LINES))
+    document = read_document(str(path), "report.pdf")
+    segments = segment_document(document, tiny_engine().count_tokens)
+    assert [(s.page, document.text[s.char_start:s.char_start + 11]) for s in segments] == [
+        (1, "Page 1 line"), (2, "Page 2 line"), (3, "Page 3 line")]
 
 
-def test_segment_ends_are_the_segment_ends_of_each_document_in_order():
-    engine = tiny_engine()  # byte tokenizer: token i of a text is its byte i
-    ids = prefix_ids(engine, [("a.txt", LONG), ("b.txt", SHORT)])
-    expected = []
-    for text in (LONG, SHORT):
-        base = bytes(i for i in ids if i < 256).index(text.encode()) + 1  # + the <|im_start|> token
-        expected += [base + len(text[: piece.char_end].encode()) for piece in segments_of(engine, text)]
-    assert len(segments_of(engine, LONG)) > 3
-    assert segment_ends(engine, [LONG, SHORT], ids) == expected
+def test_docx_segments_keep_their_headings(tmp_path):
+    body = " ".join(f"Sentence {i} of the body has a few words in it." for i in range(30))
+    path = tmp_path / "manual.docx"
+    path.write_bytes(make_docx([(0, "Manual"), (1, "Setup"), (None, body), (1, "Maintenance"), (None, body)]))
+    document = read_document(str(path), "manual.docx")
+    segments = segment_document(document, tiny_engine().count_tokens)
+    assert [s.heading for s in segments] == ["Manual › Setup", "Manual › Maintenance"]
 
 
-def test_a_document_not_in_the_prefix_contributes_no_ends():
-    engine = tiny_engine()
-    ids = prefix_ids(engine, [("b.txt", SHORT)])
-    assert segment_ends(engine, ["A text that was never attached, so it is nowhere."], ids) == []
-    assert segment_ends(engine, [LONG, SHORT], ids) == segment_ends(engine, [SHORT], ids)
+def test_prefill_text_shows_a_measured_rate_once_there_is_one():
+    assert prefill_text(1024, 30000) == "Reading 1,024 of 30,000 tokens into memory"
+    assert prefill_text(3072, 30000, 2048, 0.2) == "Reading 3,072 of 30,000 tokens into memory"
+    assert prefill_text(3072, 30000, 2048, 8.0) == ("Reading 3,072 of 30,000 tokens into memory "
+                                                    "(256 tokens/s, about 105 s left)")
+    assert prefill_text(29900, 30000, 2048, 8.0) == ("Reading 29,900 of 30,000 tokens into memory "
+                                                     "(256 tokens/s, almost done)")
 
 
-@pytest.mark.model
-def test_segment_ends_with_the_models_bpe_tokenizer(engine):
-    ids = prefix_ids(engine, [("a.txt", LONG), ("b.txt", SHORT)])
-    ends = segment_ends(engine, [LONG, SHORT], ids)
-    pieces = segments_of(engine, LONG)
-    between = [engine.tokenizer.decode(ids[a:b]) for a, b in zip(ends, ends[1:])]
-    assert between == [piece.text for piece in pieces[1:]] + ['\n</document>\n\n<document name="b.txt">\n' + SHORT]
-    assert engine.tokenizer.decode(ids[: ends[0]]).endswith("<document name=\"a.txt\">\n" + pieces[0].text)
-    assert ends[-1] == len(ids) - len(engine.encode("\n</document><|im_end|>\n"))
+def test_prefill_progress_measures_from_the_first_report():
+    seen = []
+    clock = iter([10.0, 14.0, 18.0])
+    progress = PrefillProgress(lambda fraction, text: seen.append((round(fraction, 3), text)), clock=lambda: next(clock))
+    for done in (1000, 2000, 3000):
+        progress(done, 4000)
+    assert seen == [
+        (0.325, "Reading 1,000 of 4,000 tokens into memory"),
+        (0.55, "Reading 2,000 of 4,000 tokens into memory (250 tokens/s, about 8 s left)"),
+        (0.775, "Reading 3,000 of 4,000 tokens into memory (250 tokens/s, about 4 s left)"),
+    ]
+
+
+def test_ingest_reports_the_engines_prefill_chunks(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("The harvest was late that year. " * 60)
+    service = ChatService(AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=2)),
+                          _engine=tiny_engine(prefill_chunk=256))
+    session = service.create()
+    seen = []
+    report = ingest(service, session.id, [str(path)], progress=lambda fraction, text: seen.append(text))
+    total = report.resume.computed_tokens
+    done = [int(text.split()[1].replace(",", "")) for text in seen if text.startswith("Reading ") and " of " in text]
+    assert report.errors == [] and [d.name for d in report.documents] == ["notes.txt"]
+    assert done == [min(total, n) for n in itertools.count(256, 256)][: len(done)] and done[-1] == total
+    assert seen[-1] == "Done"

@@ -1,12 +1,17 @@
-"""Sources: the document segments an answer attended to most (chat/sources.py)."""
+"""Sources: the document passages an answer attended to most (chat/sources.py), with the
+page of a PDF and the heading of a DOCX (issue #18)."""
 import numpy as np
 import pytest
 
-from chat.service import ChatService
-from chat.sources import AttentionTally, SourceTracker, tally_layers
-from chat.testing import tiny_engine
 from chat.config import AppConfig
+from chat.documents import ingest, segment_document
+from chat.render import AttachedDocument, Conversation, Renderer
+from chat.service import ChatService
+from chat.sources import SourceTracker
+from chat.testing import tiny_engine
+from files import make_docx, make_pdf
 from spotlight.config import SamplingConfig
+from segmenter import Document
 
 FILLER = [
     "The river valley has many farms that grow wheat and barley in the summer months.",
@@ -24,29 +29,23 @@ def planted_document() -> str:
     return "\n\n".join(f"Section {i + 1}\n\n{p}" for i, p in enumerate(paragraphs))
 
 
-def test_tally_layers_cover_the_second_half():
-    assert tally_layers(30) == [15, 20, 24, 29]
-    assert tally_layers(2) == [1]
-
-
-def test_constructed_attention_picks_the_planted_segment(tmp_path):
-    """Tiny engine, its decode policy replaced by one that puts the mass on the fact's bytes."""
+def test_constructed_attention_picks_the_planted_sentence():
+    """The mass put on the fact's tokens makes its segment the first source, quoting its sentence."""
     engine = tiny_engine(seed=2)
     text = planted_document()
-    system = f'Be brief.\n\n<document name="village.txt">\n{text}\n</document>'
-    prompt = engine.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": "Password?"}])
-    tracker = SourceTracker.for_prompt(engine, system, prompt)
-    assert tracker is not None and len(tracker.spans) > 3
-    fact_at = system.index("PURPLE-ELEPHANT-42")
-    target = tracker.spans[0].start - system.index(text) + fact_at  # byte tokenizer: one token per byte
-    tracker.tally = AttentionTally(engine.policy, [1], tracker.limit)
-    tracker.tally.mass[:] = 0.001
-    tracker.tally.mass[target : target + 18] = 1.0
-    tracker.tally.steps = 1
-    sources = tracker.sources()
-    assert len(sources) == 3 and sources[0].document == "village.txt"
-    assert "PURPLE-ELEPHANT-42" in sources[0].quote and sources[0].weight > 0.5
-    assert sources[0].weight >= sources[1].weight >= sources[2].weight
+    document = AttachedDocument("d", "village.txt", text,
+                                tuple(segment_document(Document("village.txt", "txt", text), engine.count_tokens)))
+    conversation = Conversation("Be brief.", (document,), (("user", "Password?"),))
+    rendering = Renderer(engine).prompt(conversation)
+    tracker = SourceTracker.for_rendering(conversation, rendering)
+    assert tracker is not None and len(tracker.ranges) > 3
+    start = rendering.token_at(0, text.index("PURPLE-ELEPHANT-42"))
+    mass = np.full(tracker.observer.mass.shape, 0.001)
+    mass[start : start + 18] = 1.0
+    sources = tracker.rank(mass)
+    assert [s.document for s in sources] == ["village.txt"] * 3
+    assert sources[0].quote == "The secret password for the vault is PURPLE-ELEPHANT-42."
+    assert sources[0].weight > 0.5 and sources[0].weight + sources[1].weight + sources[2].weight <= 1.0
 
 
 def test_reply_over_a_document_carries_sources_and_keeps_them(tmp_path):
@@ -61,7 +60,6 @@ def test_reply_over_a_document_carries_sources_and_keeps_them(tmp_path):
     assert abs(sum(s.weight for s in final.sources)) <= 1.0 + 1e-9
     stored = service.history(session.id)[-1].stats["sources"]
     assert [s["quote"] for s in stored] == [s.quote for s in final.sources]
-    assert engine.policy.__class__.__name__ == "DenseDecode"  # the tally proxy is removed again
 
 
 def test_reply_without_documents_has_no_sources(tmp_path):
@@ -79,8 +77,7 @@ def test_spotlight_selections_are_tallied(tmp_path):
     session = service.create()
     service.attach_text(session.id, "village.txt", planted_document())
     final = list(service.send(session.id, "What is the password?"))[-1]
-    assert final.sources
-    assert engine.policy.record is None  # restored
+    assert final.sources and final.spotlight
 
 
 @pytest.mark.model
@@ -93,3 +90,34 @@ def test_sources_point_at_the_planted_fact_with_the_real_model(engine, tmp_path)
     assert final.sources, final.text
     assert "PURPLE-ELEPHANT-42" in final.sources[0].quote, (final.text, final.sources)
     assert final.sources[0].weight > 0.3
+
+
+FILLER_LINES = [f"The harvest of year {1900 + i} was stored in the old barn by the river." for i in range(14)]
+PAGE_FACT = "The vault code on this page is 7341, and only the mayor knows it."
+
+
+@pytest.mark.model
+def test_a_pdf_source_names_the_page_of_the_planted_fact(engine, tmp_path):
+    path = tmp_path / "ledger.pdf"
+    path.write_bytes(make_pdf([FILLER_LINES, FILLER_LINES[::-1], FILLER_LINES[:7] + [PAGE_FACT] + FILLER_LINES[7:]]))
+    service = ChatService(AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=16)), _engine=engine)
+    session = service.create()
+    assert ingest(service, session.id, [str(path)], prefill=False).errors == []
+    final = list(service.send(session.id, "What is the vault code that only the mayor knows?"))[-1]
+    assert final.sources, final.text
+    assert (final.sources[0].page, final.sources[0].quote) == (3, PAGE_FACT), (final.text, final.sources)
+
+
+@pytest.mark.model
+def test_a_docx_source_names_the_heading_of_the_planted_fact(engine, tmp_path):
+    body = " ".join(FILLER_LINES)
+    path = tmp_path / "manual.docx"
+    path.write_bytes(make_docx([(0, "Farm manual"), (1, "Harvest"), (None, body), (1, "Storage"), (None, body),
+                                (1, "Security"), (None, " ".join(FILLER_LINES[:5] + [PAGE_FACT] + FILLER_LINES[5:]))]))
+    service = ChatService(AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=16)), _engine=engine)
+    session = service.create()
+    assert ingest(service, session.id, [str(path)], prefill=False).errors == []
+    final = list(service.send(session.id, "What is the vault code that only the mayor knows?"))[-1]
+    assert final.sources, final.text
+    assert (final.sources[0].heading, final.sources[0].quote) == ("Farm manual › Security", PAGE_FACT), (
+        final.text, final.sources)
