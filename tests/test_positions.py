@@ -1,0 +1,51 @@
+"""spotlight/positions.py: RoPE angles exact at large positions; a cached key moved by the
+position difference equals RoPE at the new position (issue #21)."""
+import math
+
+import torch
+
+from spotlight.config import ModelArgs
+from spotlight.model import apply_rope, rope_inv_freq
+from spotlight.positions import rope_angles, shift
+
+ARGS = ModelArgs(vocab_size=16, dim=128, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64,
+                 intermediate_size=64, max_seq_len=8192, norm_eps=1e-6, rope_theta=100000.0)
+POSITIONS = torch.tensor([0, 1, 4095, 8191, 65_537, 131_071, 524_289, 1_000_003, 1_048_575])
+
+
+def test_angles_at_a_million_positions_match_exact_trigonometry():
+    inv_freq = rope_inv_freq(ARGS)  # (D/2,) float32
+    cos, sin = rope_angles(inv_freq, POSITIONS)
+    for row, p in enumerate(POSITIONS.tolist()):
+        for i, f in enumerate(inv_freq.tolist()):
+            exact = p * f  # an int times a float32 value: exact in float64
+            assert abs(cos[row, i].item() - math.cos(exact)) <= 1e-7, (p, i)
+            assert abs(sin[row, i + ARGS.head_dim // 2].item() - math.sin(exact)) <= 1e-7, (p, i)
+
+
+def test_a_key_moved_by_the_position_difference_equals_rope_at_the_new_position():
+    torch.manual_seed(0)
+    inv_freq = rope_inv_freq(ARGS)
+    raw = torch.randn(3, len(POSITIONS), ARGS.head_dim)  # (Hkv, T, D) keys before RoPE
+    for delta in (-4096, 7, 900_001):
+        targets = POSITIONS + delta
+        keep = targets >= 0
+        at_old = apply_rope(raw[:, keep], *rope_angles(inv_freq, POSITIONS[keep]))  # (Hkv, T', D) as cached
+        at_new = apply_rope(raw[:, keep], *rope_angles(inv_freq, targets[keep]))
+        moved = shift(at_old, delta, inv_freq)
+        assert torch.allclose(moved, at_new, atol=2e-5, rtol=0), (delta, (moved - at_new).abs().max())
+
+
+def test_per_row_shifts_keep_scores_a_function_of_distance():
+    """Query at q_pos, keys re-positioned to q_pos - distance: the score is the one RoPE gives at
+    that distance, whatever the keys' original positions were."""
+    torch.manual_seed(1)
+    inv_freq = rope_inv_freq(ARGS)
+    q_raw, k_raw = torch.randn(1, 1, ARGS.head_dim), torch.randn(1, 4, ARGS.head_dim)
+    original = torch.tensor([10, 500_000, 700_123, 999_999])
+    new = torch.tensor([8000, 8100, 8150, 8190])
+    cached = apply_rope(k_raw, *rope_angles(inv_freq, original))
+    moved = shift(cached, new - original, inv_freq)
+    q = apply_rope(q_raw, *rope_angles(inv_freq, torch.tensor([8191])))
+    expected = apply_rope(k_raw, *rope_angles(inv_freq, new))
+    assert torch.allclose(q @ moved.transpose(-1, -2), q @ expected.transpose(-1, -2), atol=1e-4, rtol=0)
