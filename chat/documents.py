@@ -33,6 +33,7 @@ Progress = Callable[[float, str], None]  # (fraction done in [0, 1], what is hap
 READ_SHARE = 0.1  # of the progress bar: parsing, segmenting and tokenising; the rest is prefill
 SEGMENT_TOKENS = DEFAULT_MAX_TOKENS  # tokens per document segment at most (= per prefix span)
 _MIN_RATE_SECONDS = 0.5  # measure prefill for this long before showing a rate and time left
+COUNT_SLICE_CHARS = 1 << 16  # characters tokenised at a time when counting a document against a limit
 
 
 @dataclass(slots=True)
@@ -49,6 +50,23 @@ def segment_document(document: Document, count_tokens: Callable[[str], int]) -> 
     return [DocumentSegment(piece.ordinal, piece.char_start, piece.char_end, piece.page, piece.heading_path,
                             piece.n_tokens)
             for piece in segment(document, count_tokens, max_tokens=SEGMENT_TOKENS)]
+
+
+def count_tokens_within(count_tokens: Callable[[str], int], text: str, limit: int) -> int | None:
+    """The number of tokens of `text`, or None as soon as it exceeds `limit`: counted in slices
+    cut at whitespace, so a huge file costs ~`limit` tokens of work and no list of ids at all.
+    (A slice edge can merge differently than the whole text; the count is for limits and display.)"""
+    total, start = 0, 0
+    while start < len(text):
+        end = min(len(text), start + COUNT_SLICE_CHARS)
+        if end < len(text):
+            space = text.rfind(" ", start + COUNT_SLICE_CHARS // 2, end)
+            end = space if space > start else end
+        total += count_tokens(text[start:end])
+        if total > limit:
+            return None
+        start = end
+    return total
 
 
 def ingest(service, session_id: SessionId, paths: Sequence[str], progress: Progress | None = None,

@@ -38,7 +38,7 @@ from .errors import (
     ModelUnavailable,
     translated,
 )
-from .documents import segment_document
+from .documents import count_tokens_within, segment_document
 from .records import ChatMessage, DocumentInfo, MessageId, ResumeReport, SessionId, SessionInfo, Turn
 from .render import AttachedDocument, Conversation, DocumentSegment
 from .runtime import CancelFlags, ContextPool, EngineGate
@@ -293,18 +293,24 @@ class ChatService:
     def attach_document(self, session_id: SessionId, document: Document) -> DocumentInfo:
         """Attach a read document (segmenter) to the conversation's prefix (the system
         message): it is cut into segments once, here, with their pages and headings, and
-        stored with them. Refused with `ConversationTooLong` if the conversation would not
-        fit the context window. Its KV cache is computed on the next message (or `resume`)."""
+        stored with them. Refused with `ConversationTooLong` before any long work (tokens are
+        counted with an early exit) if the conversation would not fit the context window. Its
+        KV cache is computed on the next message (or `resume`)."""
         if not document.text.strip():
             raise InvalidAction(f"the document {document.name!r} is empty; attach a file with text in it")
         with translated(session_id), self._flags.running(session_id):
             records = self._visible(session_id)
+            conversation = self._conversation(session_id, records)
+            room = self.engine.max_context - 1 - len(self.runner.renderer.prompt(conversation))
+            n_tokens = count_tokens_within(self.engine.count_tokens, document.text, room)
+            if n_tokens is None:
+                raise ConversationTooLong(too_long(document.name, room, self.engine.max_context))
             segments = segment_document(document, self.engine.count_tokens)
-            attached = AttachedDocument("", document.name, document.text, tuple(segments))
-            self._check_fits(self._conversation(session_id, records).with_document(attached))
+            self._check_fits(conversation.with_document(AttachedDocument("", document.name, document.text,
+                                                                         tuple(segments))))
             record = self.store.add_document(
                 document.name, document.text, pages=document.page_count, session_id=session_id,
-                n_tokens=self.engine.count_tokens(document.text), segments=[_segment_spec(s) for s in segments])
+                n_tokens=n_tokens, segments=[_segment_spec(s) for s in segments])
             return _document_info(record)
 
     def documents(self, session_id: SessionId) -> list[DocumentInfo]:
@@ -446,6 +452,13 @@ class ChatService:
         siblings = [m.id for m in self.store.siblings(record.id)]
         return ChatMessage(record.id, record.role, record.content, record.parent_id,
                            siblings.index(record.id), len(siblings), record.metadata.get("stats", {}))
+
+
+def too_long(name: str, room: int, window: int) -> str:
+    """Why a document does not fit, in the user's terms, and what they can do."""
+    return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: the model reads "
+            f"at most {window:,} tokens at once (about {window // 400:,} pages). Attach a shorter excerpt, "
+            "or start a new chat for it.")
 
 
 def _segment_spec(segment: DocumentSegment) -> SegmentSpec:

@@ -2,8 +2,11 @@
 keeping pages and headings; prefill progress is measured, not estimated (issue #18)."""
 import itertools
 
+import pytest
+
 from chat.config import AppConfig
-from chat.documents import PrefillProgress, ingest, prefill_text, segment_document
+from chat.documents import PrefillProgress, count_tokens_within, ingest, prefill_text, segment_document
+from chat.errors import ConversationTooLong
 from chat.service import ChatService
 from chat.testing import tiny_engine
 from files import make_docx, make_pdf
@@ -67,3 +70,27 @@ def test_ingest_reports_the_engines_prefill_chunks(tmp_path):
     assert report.errors == [] and [d.name for d in report.documents] == ["notes.txt"]
     assert done == [min(total, n) for n in itertools.count(256, 256)][: len(done)] and done[-1] == total
     assert seen[-1] == "Done"
+
+
+def test_counting_against_a_limit_stops_early_and_never_tokenises_the_whole_text():
+    text = "word " * 1_000_000  # 5 MB
+    calls = []
+
+    def count(piece: str) -> int:
+        calls.append(len(piece))
+        return len(piece.split())
+
+    assert count_tokens_within(count, text, 50_000) is None
+    assert max(calls) <= 1 << 16 and sum(calls) < 400_000  # ~50K words of work, not 1M
+    assert count_tokens_within(count, "a b c " * 30_000, 10**6) == 90_000
+
+
+def test_a_document_over_the_window_is_refused_before_it_is_segmented(tmp_path):
+    service = ChatService(AppConfig(home=tmp_path), _engine=tiny_engine(max_seq_len=2048))
+    session = service.create()
+    with pytest.raises(ConversationTooLong) as error:
+        service.attach_text(session.id, "big.txt", "All work and no play. " * 5000)
+    assert str(error.value) == (
+        "big.txt is longer than the 2,028 tokens left in this conversation: the model reads at most 2,048 "
+        "tokens at once (about 5 pages). Attach a shorter excerpt, or start a new chat for it.")
+    assert service.documents(session.id) == []
