@@ -7,6 +7,10 @@ and their numbers live in the store under SPOTLIGHT_HOME), so a reload or a serv
 shows the same conversations. Display values are computed in chat/ui_model.py, uploads in
 chat/documents.py. Every event that uses the model shares `concurrency_id="engine"`;
 Stop sets the conversation's cancel flag, so generation stops within one decode step.
+
+The shape: `layout` creates the components (a `Components`), `Handlers` holds the service
+(in a `ServiceRef`, which Settings -> Apply swaps) and returns a `View` (or a `Reply`:
+a view plus the message box) per event, and `events` is the one table `wire` attaches.
 """
 from __future__ import annotations
 
@@ -383,33 +387,40 @@ class Handlers:
         return self.view(wanted or (listed[0].id if listed else None))
 
     def open_session(self, session_id: str) -> View:
+        """The conversation picked in the list."""
         return self.view(session_id)
 
     def new_session(self) -> View:
+        """A new, empty conversation, open."""
         return self.view(self.service.create().id)
 
     def search_sessions(self, query: str, session_id: str | None) -> gr.Radio:
+        """The conversations matching `query` (all of them for an empty one)."""
         service = self.service
         choices, value = ui.search_choices(service.search(query) if query.strip() else service.list_sessions(),
                                            session_id)
         return gr.Radio(choices=choices, value=value)
 
     def rename(self, session_id: str | None, title: str) -> View:
+        """The open conversation, renamed."""
         if not session_id:
             raise ValueError("Open or start a conversation first, then rename it.")
         self.service.rename(session_id, title)
         return self.view(session_id)
 
     def delete(self, session_id: str | None) -> View:
+        """Delete the open conversation; the latest other one opens."""
         if session_id:
             self.service.delete(session_id)
         listed = self.service.list_sessions(limit=1)
         return self.view(listed[0].id if listed else None)
 
     def export_markdown(self, session_id: str | None) -> gr.File:
+        """The open conversation as a Markdown file to download."""
         return self._export(session_id, ".md")
 
     def export_json(self, session_id: str | None) -> gr.File:
+        """The open conversation as a JSON file to download (and to import again)."""
         return self._export(session_id, ".json")
 
     def _export(self, session_id: str | None, suffix: str) -> gr.File:
@@ -422,9 +433,11 @@ class Handlers:
         return gr.File(value=str(path), visible=True)
 
     def import_json(self, path: str) -> View:
+        """A conversation exported as JSON, imported as a new one and opened."""
         return self.view(self.service.import_json(Path(path).read_bytes()).id)
 
     def upload(self, session_id: str | None, paths: list[str] | None, progress=gr.Progress()) -> View:
+        """Attach the files (to a new conversation when none is open) and read them into the cache."""
         service = self.service
         created, session_id = not session_id, session_id or service.create().id
         report = uploads.ingest(service, session_id, paths or [], lambda f, text: progress(f, desc=text))
@@ -438,11 +451,13 @@ class Handlers:
     # ------------------------------------------------------------------ turns
 
     def send(self, session_id: str | None, text: str):
+        """Ask `text` in the open conversation (a new one when none is open); streams Replies."""
         session_id = session_id or self.service.create().id
         yield from self.stream(session_id, lambda history: (ui.chat_messages(history)[0] + [ui.user_message(text)],
                                                             self.service.send(session_id, text)), restore=text)
 
     def summarize(self, session_id: str | None):
+        """A summary of the attached documents; streams Replies."""
         if not session_id or not self.service.documents(session_id):
             raise ValueError("Attach a document first, then press Summarize.")
         if not hasattr(self.service, "summarize"):  # a service without the documents issue's summary
@@ -452,12 +467,14 @@ class Handlers:
                                                             self.service.summarize(session_id)))
 
     def regenerate(self, session_id: str | None):
+        """A new version of the last reply (the old one is kept); streams Replies."""
         if not session_id:
             raise ValueError("There is no reply to regenerate yet: send a message first.")
         yield from self.stream(session_id, lambda history: (ui.chat_messages(ui.without_last_reply(history))[0],
                                                             self.service.regenerate(session_id)))
 
     def edit(self, session_id: str | None, message_id: str, text: str):
+        """A new version of a question (the old one is kept), answered again; streams Replies."""
         if not session_id:
             raise ValueError("There is no message to edit yet: send a message first.")
         yield from self.stream(session_id, lambda history: (ui.chat_messages(ui.before(history, message_id))[0]
@@ -466,6 +483,7 @@ class Handlers:
                                restore=text)
 
     def edit_in_chat(self, session_id: str, shown: list[dict], data: gr.EditData):
+        """`edit` for a question edited in the chat, unless the chat shown is stale."""
         index = data.index if isinstance(data.index, int) else data.index[0]
         message_id = ui.edited_message_id(self.service.history(session_id), history_from_gradio(shown), index)
         if message_id is None:
@@ -475,15 +493,18 @@ class Handlers:
         yield from self.edit(session_id, message_id, text_of(data.value))
 
     def undo(self, session_id: str | None) -> Reply:
+        """Hide the last exchange; its question goes back into the message box."""
         if not session_id:
             raise ValueError("There is nothing to undo yet.")
         text = self.service.undo(session_id)
         return Reply(self.view(session_id), text)
 
     def older_version(self, session_id: str | None, message_id: str | None) -> View:
+        """Show the previous version of the message picked in Versions."""
         return self._switch_version(session_id, message_id, -1)
 
     def newer_version(self, session_id: str | None, message_id: str | None) -> View:
+        """Show the next version of the message picked in Versions."""
         return self._switch_version(session_id, message_id, +1)
 
     def _switch_version(self, session_id: str | None, message_id: str | None, step: int) -> View:
@@ -494,12 +515,14 @@ class Handlers:
         return self.view(session_id, place)
 
     def stop(self, session_id: str | None) -> None:
+        """Stop the reply running in the conversation (within one decode step)."""
         if session_id:
             self.service.stop(session_id)
 
     # ------------------------------------------------------------------ settings and API
 
     def apply_settings(self, *values) -> str:
+        """Use the settings form's values (one per ui.SettingsForm field); returns the note."""
         service = self.service
         config, notes = ui.apply_settings(service.config, ui.SettingsForm(*values))
         if config == service.config:
@@ -514,10 +537,12 @@ class Handlers:
 
 
 def show_confirm() -> gr.Row:
+    """Show the "really delete?" buttons."""
     return gr.Row(visible=True)
 
 
 def hide_confirm() -> gr.Row:
+    """Hide the "really delete?" buttons."""
     return gr.Row(visible=False)
 
 
