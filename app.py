@@ -7,6 +7,10 @@ and their numbers live in the store under SPOTLIGHT_HOME), so a reload or a serv
 shows the same conversations. Display values are computed in chat/ui_model.py, uploads in
 chat/documents.py. Every event that uses the model shares `concurrency_id="engine"`;
 Stop sets the conversation's cancel flag, so generation stops within one decode step.
+
+The shape: `layout` creates the components (a `Components`), `Handlers` holds the service
+(in a `ServiceRef`, which Settings -> Apply swaps) and returns a `View` (or a `Reply`:
+a view plus the message box) per event, and `events` is the one table `wire` attaches.
 """
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,7 +40,6 @@ from chat.config import AppConfig, EngineConfig  # noqa: E402
 STREAM_EVERY = 0.08  # seconds between UI updates while streaming (~12 Hz: long answers stay smooth)
 ENGINE = {"concurrency_id": "engine", "concurrency_limit": 1}  # one model, one queue for all its events
 STREAMING = {**ENGINE, "show_progress": "minimal"}  # plus show_progress_on the status line: no overlay
-VIEW_STATUS = 6  # index of the status line (turn numbers, or the last error) in a view's values
 PASSWORD_ENV = "SPOTLIGHT_PASSWORD"
 # Local font stacks only: the default theme fonts come from Google Fonts, and nothing may leave this machine.
 THEME = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "sans-serif"),
@@ -109,287 +114,444 @@ def throttled(items, seconds: float):
         yield pending
 
 
-def build_ui(service: ChatService) -> gr.Blocks:
-    """The whole app over one chat service (see `serve` for launching it with its style)."""
-    export_dir = Path(tempfile.mkdtemp(prefix="spotlight-export-"))
+# ----------------------------------------------------------------------------- the service
 
-    # ------------------------------------------------------------------ views
 
-    def window() -> int | None:
+class ServiceRef:
+    """The chat service every handler uses. Settings -> Apply swaps in a reconfigured one;
+    events that start after the swap see it (one attribute: readers never see half a swap)."""
+
+    def __init__(self, service: ChatService):
+        self._service = service
+
+    def get(self) -> ChatService:
+        """The service in use."""
+        return self._service
+
+    def replace(self, new: ChatService) -> None:
+        """Use `new` from the next `get` on."""
+        self._service = new
+
+
+def model_facts(service: ChatService) -> ui.ModelFacts:
+    """What the display needs from the model (`window` None while the model cannot be loaded)."""
+    try:
+        # NOTE: the service has no method for the window or the decode kind yet (issue #18)
+        engine = service.engine
+    except ChatError:
+        return ui.ModelFacts(None, False, service.count_tokens)
+    return ui.ModelFacts(engine.max_context, ui.decodes_densely(engine), service.count_tokens)
+
+
+# ----------------------------------------------------------------------------- views
+
+
+class View(NamedTuple):
+    """What an event shows of the open conversation: one value per output, each field named
+    as the component of `Components` it goes to (gr.skip() leaves that component as it is)."""
+
+    session: str | None  # the open conversation (None: a new, empty one)
+    sessions: gr.Radio
+    title: str
+    chat: list[dict]
+    chips: str
+    gauge: str
+    status: str  # turn numbers, or the last error
+    versions: gr.Dropdown
+
+
+class Reply(NamedTuple):
+    """A streaming event's outputs: the view, then the message box's value (cleared while a
+    reply runs, the typed text put back after an error, gr.skip() to leave it alone)."""
+
+    view: View
+    msg: str | dict
+
+
+def view_of(session_id: str | None, screen: ui.Screen) -> View:
+    """The outputs that show `screen`, with conversation `session_id` open."""
+    return View(session_id, gr.Radio(choices=screen.session_choices, value=session_id, info=screen.sessions_info),
+                screen.title, screen.messages, screen.chips, screen.gauge, screen.status,
+                gr.Dropdown(choices=screen.version_choices, value=screen.version, visible=bool(screen.version_choices)))
+
+
+def live_view(session_id: str, chat: list[dict], status: str) -> View:
+    """The outputs while a reply streams: the chat and the status line change, the rest stays."""
+    skip = gr.skip()
+    return View(session_id, skip, skip, chat, skip, skip, status, skip)
+
+
+def gradio_values(result, n_outputs: int):
+    """A handler's result as Gradio takes it: a View or a Reply becomes the tuple of its values
+    in output order (the one place where views turn positional); anything else is kept."""
+    if isinstance(result, Reply):
+        values = (*result.view, result.msg)
+    elif isinstance(result, View):
+        values = tuple(result)
+    else:
+        return result
+    assert len(values) == n_outputs, f"a {type(result).__name__} of {len(values)} values for {n_outputs} outputs"
+    return values
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Components:
+    """Every component an event of `events` is triggered by, reads or writes."""
+
+    demo: gr.Blocks
+    session: gr.State  # the open conversation's id, per browser tab
+    # the sidebar
+    new_btn: gr.Button
+    search: gr.Textbox
+    sessions: gr.Radio
+    rename_box: gr.Textbox
+    rename_btn: gr.Button
+    export_md_btn: gr.Button
+    export_json_btn: gr.Button
+    export_file: gr.File
+    import_btn: gr.UploadButton
+    delete_btn: gr.Button
+    confirm_row: gr.Row
+    confirm_btn: gr.Button
+    cancel_btn: gr.Button
+    dark_btn: gr.Button
+    # the Chat tab
+    title: gr.Markdown
+    upload_btn: gr.UploadButton
+    summarize_btn: gr.Button
+    chips: gr.HTML
+    gauge: gr.HTML
+    chat: gr.Chatbot
+    status: gr.Markdown
+    msg: gr.Textbox
+    send_btn: gr.Button
+    stop_btn: gr.Button
+    regen_btn: gr.Button
+    undo_btn: gr.Button
+    versions: gr.Dropdown
+    older_btn: gr.Button
+    newer_btn: gr.Button
+    edit_id: gr.Textbox  # the API path of edit: (message id, new text)
+    edit_text: gr.Textbox
+    edit_btn: gr.Button
+    # the Settings tab
+    settings: tuple  # one input per field of ui.SettingsForm, in its order
+    apply_btn: gr.Button
+    settings_note: gr.Markdown
+
+    def view(self) -> list:
+        """The outputs of an event that returns a `View`, in its field order."""
+        return [getattr(self, name) for name in View._fields]
+
+    def reply(self) -> list:
+        """The outputs of an event that returns a `Reply`: the view's, then the message box."""
+        return self.view() + [self.msg]
+
+
+def layout(demo: gr.Blocks, config: AppConfig) -> Components:
+    """Create the sidebar, the Chat tab and the Settings tab inside `demo` (being built);
+    the settings show `config`, the rest starts empty until the page's load event."""
+    form = ui.settings_form(config)
+    session = gr.State(None)
+    with gr.Sidebar(label="Conversations", width=300):
+        new_btn = gr.Button("+ New chat", variant="primary", elem_id="new-btn")
+        search = gr.Textbox(placeholder="Search conversations…", show_label=False, elem_id="search")
+        sessions = gr.Radio(choices=[], label="Conversations", info=ui.NO_SESSIONS, elem_id="sessions")
+        with gr.Accordion("Rename, delete, export", open=False, elem_id="manage"):
+            rename_box = gr.Textbox(placeholder="New title", show_label=False, elem_id="rename-box")
+            rename_btn = gr.Button("Rename", size="sm", elem_id="rename-btn")
+            with gr.Row():
+                export_md_btn = gr.Button("Export .md", size="sm", elem_id="export-md-btn")
+                export_json_btn = gr.Button("Export .json", size="sm", elem_id="export-json-btn")
+            export_file = gr.File(label="Download", visible=False, interactive=False, elem_id="export-file")
+            import_btn = gr.UploadButton("Import .json", size="sm", file_types=[".json"], elem_id="import-btn")
+            delete_btn = gr.Button("Delete conversation", variant="stop", size="sm", elem_id="delete-btn")
+            with gr.Row(visible=False) as confirm_row:
+                confirm_btn = gr.Button("Yes, delete it", variant="stop", size="sm", elem_id="confirm-delete-btn")
+                cancel_btn = gr.Button("Keep it", size="sm", elem_id="cancel-delete-btn")
+        dark_btn = gr.Button("Dark mode", size="sm", elem_id="dark-btn")
+    with gr.Tab("Chat"):
+        with gr.Row(equal_height=True):
+            title = gr.Markdown("### New conversation", elem_id="title")
+            upload_btn = gr.UploadButton("Attach .txt .md .pdf .docx", file_count="multiple", size="sm",
+                                         elem_id="upload-btn", scale=0, min_width=230)
+            summarize_btn = gr.Button("Summarize", size="sm", elem_id="summarize-btn", scale=0, min_width=110)
+        chips = gr.HTML(ui.chips_html([]), elem_id="chips")
+        gauge = gr.HTML(ui.gauge_html(None), elem_id="gauge")
+        chat = gr.Chatbot(elem_id="chat", editable="user", placeholder=ui.EMPTY_CHAT, height="52vh",
+                          buttons=["copy"], show_label=False)
+        status = gr.Markdown("", elem_id="turn-stats")
+        with gr.Row(equal_height=True):
+            msg = gr.Textbox(placeholder="Ask about your document…", show_label=False, lines=1, max_lines=8,
+                             scale=8, elem_id="msg", autofocus=True)
+            send_btn = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send-btn")
+            stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="stop-btn")
+        with gr.Row():
+            regen_btn = gr.Button("Regenerate", size="sm", elem_id="regen-btn")
+            undo_btn = gr.Button("Undo", size="sm", elem_id="undo-btn")
+        with gr.Row(equal_height=True, elem_id="versions-row"):
+            versions = gr.Dropdown(choices=[], label="Versions (edits and regenerations are kept)",
+                                   visible=False, scale=4, elem_id="versions")
+            older_btn = gr.Button("◀ Older", size="sm", scale=0, min_width=90, elem_id="older-btn")
+            newer_btn = gr.Button("Newer ▶", size="sm", scale=0, min_width=90, elem_id="newer-btn")
+        edit_id = gr.Textbox(visible=False)
+        edit_text = gr.Textbox(visible=False)
+        edit_btn = gr.Button(visible=False)
+    with gr.Tab("Settings"):
+        settings = (
+            gr.Textbox(form.model_path, label="Model path", placeholder="empty: the bundled SmolLM2-135M-Instruct",
+                       info="A .gguf file or a Hugging Face directory (Llama, Qwen2, Mistral)."),
+            gr.Slider(0.0, 2.0, form.temperature, step=0.05, label="Temperature (0 = greedy)"),
+            gr.Slider(0.05, 1.0, form.top_p, step=0.05, label="Top-p"),
+            gr.Slider(1, 2048, form.max_new_tokens, step=1, label="Max reply tokens"),
+            gr.Slider(1.0, 2.0, form.repetition_penalty, step=0.05, label="Repetition penalty"),
+            gr.Textbox(form.system_prompt, label="System prompt (new conversations)", lines=3),
+            gr.Checkbox(form.spotlight_enabled, label="Spotlight attention"),
+            gr.Slider(0.005, 0.5, form.spotlight_ratio, step=0.005, label="Spotlight budget (share retrieved)"),
+        )
+        apply_btn = gr.Button("Apply settings", variant="primary", elem_id="apply-btn")
+        settings_note = gr.Markdown("Changing the model, the system prompt or turning Spotlight on or off means a "
+                                    "new cache: the note after applying says what is recomputed.",
+                                    elem_id="settings-note")
+    return Components(
+        demo=demo, session=session, new_btn=new_btn, search=search, sessions=sessions, rename_box=rename_box,
+        rename_btn=rename_btn, export_md_btn=export_md_btn, export_json_btn=export_json_btn,
+        export_file=export_file, import_btn=import_btn, delete_btn=delete_btn, confirm_row=confirm_row,
+        confirm_btn=confirm_btn, cancel_btn=cancel_btn, dark_btn=dark_btn,
+        title=title, upload_btn=upload_btn, summarize_btn=summarize_btn, chips=chips, gauge=gauge, chat=chat,
+        status=status, msg=msg, send_btn=send_btn, stop_btn=stop_btn, regen_btn=regen_btn, undo_btn=undo_btn,
+        versions=versions, older_btn=older_btn, newer_btn=newer_btn, edit_id=edit_id, edit_text=edit_text,
+        edit_btn=edit_btn, settings=settings, apply_btn=apply_btn, settings_note=settings_note,
+    )
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+class Handlers:
+    """The event handlers. Each converts Gradio values to domain values, calls the chat
+    service, and returns what its outputs show: a `View`, a `Reply`, or one component's value.
+    A ValueError raised here is a user-facing message (see `adapted`)."""
+
+    def __init__(self, service: ServiceRef, export_dir: Path):
+        self._service = service
+        self._export_dir = export_dir
+
+    @property
+    def service(self) -> ChatService:
+        """The service in use now (Settings -> Apply may have swapped it)."""
+        return self._service.get()
+
+    def view(self, session_id: str | None, near: str | None = None) -> View:
+        """The list and the open conversation (None: a new, empty one; also for a conversation
+        deleted in another tab). `near`: see `ui.screen`."""
+        service = self.service
         try:
-            return service.engine.max_context
-        except ChatError:
-            return None
-
-    def view(session_id, near: str | None = None):
-        """Values for VIEW: the list, and the open conversation (None: a new, empty one).
-        `near`: the parent of a place whose version was just switched (keeps it selected)."""
-        listed = service.list_sessions()
-        sessions = gr.Radio(choices=ui.session_choices(listed), value=session_id, info=None if listed else ui.NO_SESSIONS)
-        try:
-            info, history, docs = (service.get(session_id), service.history(session_id),
-                                   service.documents(session_id)) if session_id else (None, [], [])
+            info, history, documents = ((service.get(session_id), service.history(session_id),
+                                         service.documents(session_id)) if session_id else (None, [], []))
         except NotFoundError:  # deleted in another tab
-            return view(None)
-        size = window()
-        use = ui.context_use(size, docs, history, service.config.sampling.max_new_tokens,
-                             lambda text: len(service.engine.encode(text)), info.system_prompt if info else "") if size else None
-        choices, chosen = ui.version_choices(history, near)
-        return (session_id, sessions, f"### {info.title if info else 'New conversation'}",
-                ui.chat_messages(history)[0], ui.chips_html(docs), ui.gauge_html(use),
-                ui.turn_line(ui.last_stats(history), service.config.spotlight, size is not None
-                             and ui.decodes_densely(service.engine)),
-                gr.Dropdown(choices=choices, value=chosen, visible=bool(choices)))
+            return self.view(None)
+        return view_of(session_id, ui.screen(service.list_sessions(), info, history, documents, service.config,
+                                             model_facts(service), near))
 
-    def stream(session_id, plan, restore: str | None = None):
-        """STREAM values while a reply runs, then the stored conversation. `plan(history)`
-        gives (messages to show above the reply, the service's Turn iterator). `restore`:
-        the typed text, cleared at once and put back on an error (the view is reloaded),
-        so nothing is lost; None leaves the textbox alone."""
-        skip = gr.skip()
-        box = skip if restore is None else ""
+    def stream(self, session_id: str, plan, restore: str | None = None):
+        """Replies while a turn runs, then the stored conversation. `plan(history)` gives (the
+        messages above the reply, the service's Turn iterator). `restore`: the typed text,
+        cleared at once and put back on an error, so nothing is lost (None: leave the box)."""
+        box = gr.skip() if restore is None else ""
         try:
-            shown, turns = plan(service.history(session_id))
-            yield session_id, skip, skip, shown + [ui.pending_message()], skip, skip, "reading the conversation…", skip, box
+            shown, turns = plan(self.service.history(session_id))
+            yield Reply(live_view(session_id, shown + [ui.pending_message()], ui.READING), box)
             turn = None
             for turn in throttled(turns, STREAM_EVERY):
-                yield (session_id, skip, skip, shown + [ui.assistant_message(turn.text)], skip, skip,
-                       ui.live_line(turn), skip, box)
+                yield Reply(live_view(session_id, shown + [ui.assistant_message(turn.text)], ui.live_line(turn)), box)
         except ChatError as error:  # the view is reloaded: no half-shown message stays
-            values = list(view(session_id)) + [skip if restore is None else restore]
-            values[VIEW_STATUS] = warn(error)
-            yield tuple(values)
+            yield Reply(self.view(session_id)._replace(status=warn(error)), gr.skip() if restore is None else restore)
             return
         except GeneratorExit:  # Gradio closed the event: stop the engine too
-            service.stop(session_id)
+            self.service.stop(session_id)
             raise
         for notice in turn.notices if turn else ():
             gr.Info(notice)
-        yield *view(session_id), box
+        yield Reply(self.view(session_id), box)
 
-    # ------------------------------------------------------------------ handlers
+    # ------------------------------------------------------------------ conversations
 
-    def open_initial(request: gr.Request):
+    def open_initial(self, request: gr.Request) -> View:
+        """The conversation the address names (?session=...), else the latest one."""
         wanted = request.query_params.get("session") if request else None
-        listed = service.list_sessions(limit=1)
-        return view(wanted or (listed[0].id if listed else None))
+        listed = self.service.list_sessions(limit=1)
+        return self.view(wanted or (listed[0].id if listed else None))
 
-    def open_session(session_id):
-        return view(session_id)
+    def open_session(self, session_id: str) -> View:
+        """The conversation picked in the list."""
+        return self.view(session_id)
 
-    def new_session():
-        return view(service.create().id)
+    def new_session(self) -> View:
+        """A new, empty conversation, open."""
+        return self.view(self.service.create().id)
 
-    def search_sessions(query, session_id):
-        choices = ui.session_choices(service.search(query) if query.strip() else service.list_sessions())
-        return gr.Radio(choices=choices, value=session_id if session_id in dict(map(reversed, choices)) else None)
+    def search_sessions(self, query: str, session_id: str | None) -> gr.Radio:
+        """The conversations matching `query` (all of them for an empty one)."""
+        service = self.service
+        choices, value = ui.search_choices(service.search(query) if query.strip() else service.list_sessions(),
+                                           session_id)
+        return gr.Radio(choices=choices, value=value)
 
-    def rename(session_id, title):
+    def rename(self, session_id: str | None, title: str) -> View:
+        """The open conversation, renamed."""
         if not session_id:
             raise ValueError("Open or start a conversation first, then rename it.")
-        service.rename(session_id, title)
-        return view(session_id)
+        self.service.rename(session_id, title)
+        return self.view(session_id)
 
-    def delete(session_id):
+    def delete(self, session_id: str | None) -> View:
+        """Delete the open conversation; the latest other one opens."""
         if session_id:
-            service.delete(session_id)
-        listed = service.list_sessions(limit=1)
-        return view(listed[0].id if listed else None)
+            self.service.delete(session_id)
+        listed = self.service.list_sessions(limit=1)
+        return self.view(listed[0].id if listed else None)
 
-    def export(session_id, markdown: bool):
+    def export_markdown(self, session_id: str | None) -> gr.File:
+        """The open conversation as a Markdown file to download."""
+        return self._export(session_id, ".md")
+
+    def export_json(self, session_id: str | None) -> gr.File:
+        """The open conversation as a JSON file to download (and to import again)."""
+        return self._export(session_id, ".json")
+
+    def _export(self, session_id: str | None, suffix: str) -> gr.File:
         if not session_id:
             raise ValueError("There is nothing to export yet: open a conversation first.")
-        suffix, text = (".md", service.export_markdown(session_id)) if markdown else (".json", service.export_json(session_id))
-        path = export_dir / ui.export_filename(service.get(session_id).title, suffix)
+        service = self.service
+        text = service.export_markdown(session_id) if suffix == ".md" else service.export_json(session_id)
+        path = self._export_dir / ui.export_filename(service.get(session_id).title, suffix)
         path.write_text(text, encoding="utf-8")
         return gr.File(value=str(path), visible=True)
 
-    def import_json(path):
-        return view(service.import_json(Path(path).read_bytes()).id)
+    def import_json(self, path: str) -> View:
+        """A conversation exported as JSON, imported as a new one and opened."""
+        return self.view(self.service.import_json(Path(path).read_bytes()).id)
 
-    def upload(session_id, paths, progress=gr.Progress()):
+    def upload(self, session_id: str | None, paths: list[str] | None, progress=gr.Progress()) -> View:
+        """Attach the files (to a new conversation when none is open) and read them into the cache."""
+        service = self.service
         created, session_id = not session_id, session_id or service.create().id
         report = uploads.ingest(service, session_id, paths or [], lambda f, text: progress(f, desc=text))
-        if report.errors and not report.documents:
+        if refusal := ui.upload_refusal(report):
             if created:  # no empty conversation left behind by a failed first upload
                 service.delete(session_id)
-            raise ValueError(" ".join(message for _, message in report.errors))
-        for _, message in report.errors:
-            gr.Warning(message)
-        for note in report.warnings + (report.resume.notices if report.resume else []):
-            gr.Info(note)
-        return view(session_id)
+            raise ValueError(refusal)
+        toast(*ui.upload_notices(report))
+        return self.view(session_id)
 
-    def send(session_id, text):
-        session_id = session_id or service.create().id
-        yield from stream(session_id, lambda history: (ui.chat_messages(history)[0] + [ui.user_message(text)],
-                                                       service.send(session_id, text)), restore=text)
+    # ------------------------------------------------------------------ turns
 
-    def summarize(session_id):
-        if not session_id or not service.documents(session_id):
+    def send(self, session_id: str | None, text: str):
+        """Ask `text` in the open conversation (a new one when none is open); streams Replies."""
+        session_id = session_id or self.service.create().id
+        yield from self.stream(session_id, lambda history: (ui.chat_messages(history)[0] + [ui.user_message(text)],
+                                                            self.service.send(session_id, text)), restore=text)
+
+    def summarize(self, session_id: str | None):
+        """A summary of the attached documents; streams Replies."""
+        if not session_id or not self.service.documents(session_id):
             raise ValueError("Attach a document first, then press Summarize.")
-        if hasattr(service, "summarize"):  # the documents issue's single-pass / map-reduce summary
-            yield from stream(session_id, lambda history: (ui.chat_messages(history)[0], service.summarize(session_id)))
-        else:
-            yield from send(session_id, ui.SUMMARIZE_PROMPT)
+        if not hasattr(self.service, "summarize"):  # a service without the documents issue's summary
+            yield from self.send(session_id, ui.SUMMARIZE_PROMPT)
+            return
+        yield from self.stream(session_id, lambda history: (ui.chat_messages(history)[0],
+                                                            self.service.summarize(session_id)))
 
-    def regenerate(session_id):
+    def regenerate(self, session_id: str | None):
+        """A new version of the last reply (the old one is kept); streams Replies."""
         if not session_id:
             raise ValueError("There is no reply to regenerate yet: send a message first.")
-        yield from stream(session_id, lambda history: (ui.chat_messages(ui.without_last_reply(history))[0],
-                                                       service.regenerate(session_id)))
+        yield from self.stream(session_id, lambda history: (ui.chat_messages(ui.without_last_reply(history))[0],
+                                                            self.service.regenerate(session_id)))
 
-    def edit(session_id, message_id, text):
+    def edit(self, session_id: str | None, message_id: str, text: str):
+        """A new version of a question (the old one is kept), answered again; streams Replies."""
         if not session_id:
             raise ValueError("There is no message to edit yet: send a message first.")
-        yield from stream(session_id, lambda history: (ui.chat_messages(ui.before(history, message_id))[0]
-                                                       + [ui.user_message(text)],
-                                                       service.edit(session_id, message_id, text)), restore=text)
+        yield from self.stream(session_id, lambda history: (ui.chat_messages(ui.before(history, message_id))[0]
+                                                            + [ui.user_message(text)],
+                                                            self.service.edit(session_id, message_id, text)),
+                               restore=text)
 
-    def edit_in_chat(session_id, shown, data: gr.EditData):
+    def edit_in_chat(self, session_id: str, shown: list[dict], data: gr.EditData):
+        """`edit` for a question edited in the chat, unless the chat shown is stale."""
         index = data.index if isinstance(data.index, int) else data.index[0]
-        messages, ids = ui.chat_messages(service.history(session_id))
-        if index >= len(ids) or ids[index] is None or history_from_gradio(shown)[:index] != history_from_gradio(messages)[:index]:
-            gr.Warning("This conversation changed (another tab?); it was reloaded. Edit the message again.")
-            yield *view(session_id), gr.skip()
+        message_id = ui.edited_message_id(self.service.history(session_id), history_from_gradio(shown), index)
+        if message_id is None:
+            gr.Warning(ui.STALE_EDIT)
+            yield Reply(self.view(session_id), gr.skip())
             return
-        yield from edit(session_id, ids[index], text_of(data.value))
+        yield from self.edit(session_id, message_id, text_of(data.value))
 
-    def undo(session_id):
+    def undo(self, session_id: str | None) -> Reply:
+        """Hide the last exchange; its question goes back into the message box."""
         if not session_id:
             raise ValueError("There is nothing to undo yet.")
-        text = service.undo(session_id)
-        return *view(session_id), text
+        text = self.service.undo(session_id)
+        return Reply(self.view(session_id), text)
 
-    def switch_version(session_id, message_id, step: int):
+    def older_version(self, session_id: str | None, message_id: str | None) -> View:
+        """Show the previous version of the message picked in Versions."""
+        return self._switch_version(session_id, message_id, -1)
+
+    def newer_version(self, session_id: str | None, message_id: str | None) -> View:
+        """Show the next version of the message picked in Versions."""
+        return self._switch_version(session_id, message_id, +1)
+
+    def _switch_version(self, session_id: str | None, message_id: str | None, step: int) -> View:
         if not (session_id and message_id):
             raise ValueError("Nothing to switch: edit or regenerate a message first, then pick it here.")
-        place = ui.parent_of(service.history(session_id), message_id)
-        service.switch_version(session_id, message_id, step)
-        return view(session_id, place)
+        place = ui.parent_of(self.service.history(session_id), message_id)
+        self.service.switch_version(session_id, message_id, step)
+        return self.view(session_id, place)
 
-    def stop(session_id):
+    def stop(self, session_id: str | None) -> None:
+        """Stop the reply running in the conversation (within one decode step)."""
         if session_id:
-            service.stop(session_id)
+            self.service.stop(session_id)
 
-    def apply_settings(*values):
-        nonlocal service
+    # ------------------------------------------------------------------ settings and API
+
+    def apply_settings(self, *values) -> str:
+        """Use the settings form's values (one per ui.SettingsForm field); returns the note."""
+        service = self.service
         config, notes = ui.apply_settings(service.config, ui.SettingsForm(*values))
         if config == service.config:
-            return "Nothing changed."
-        service = service.reconfigured(config)  # a model that fails to load keeps the old one (ModelUnavailable)
-        return "\n\n".join(["Settings applied."] + notes)
+            return ui.NOTHING_CHANGED
+        self._service.replace(service.reconfigured(config))  # a model that fails to load raises ModelUnavailable
+        return ui.settings_note(notes)
 
-    def history_api(session_id: str) -> list[dict]:
+    def history_api(self, session_id: str) -> list[dict]:
         """The visible conversation with message ids and turn stats (API only)."""
         return [{"id": m.id, "role": m.role, "content": m.content, "stats": m.stats,
-                 "branch": m.branch, "branches": m.branches} for m in service.history(session_id)]
+                 "branch": m.branch, "branches": m.branches} for m in self.service.history(session_id)]
 
-    # ------------------------------------------------------------------ layout
 
-    form = ui.settings_form(service.config)
-    with gr.Blocks(title="Spotlight Chat", fill_height=True) as demo:
-        session = gr.State(None)
-        with gr.Sidebar(label="Conversations", width=300):
-            new_btn = gr.Button("+ New chat", variant="primary", elem_id="new-btn")
-            search = gr.Textbox(placeholder="Search conversations…", show_label=False, elem_id="search")
-            sessions = gr.Radio(choices=[], label="Conversations", info=ui.NO_SESSIONS, elem_id="sessions")
-            with gr.Accordion("Rename, delete, export", open=False, elem_id="manage"):
-                rename_box = gr.Textbox(placeholder="New title", show_label=False, elem_id="rename-box")
-                rename_btn = gr.Button("Rename", size="sm", elem_id="rename-btn")
-                with gr.Row():
-                    export_md_btn = gr.Button("Export .md", size="sm", elem_id="export-md-btn")
-                    export_json_btn = gr.Button("Export .json", size="sm", elem_id="export-json-btn")
-                export_file = gr.File(label="Download", visible=False, interactive=False, elem_id="export-file")
-                import_btn = gr.UploadButton("Import .json", size="sm", file_types=[".json"], elem_id="import-btn")
-                delete_btn = gr.Button("Delete conversation", variant="stop", size="sm", elem_id="delete-btn")
-                with gr.Row(visible=False) as confirm_row:
-                    confirm_btn = gr.Button("Yes, delete it", variant="stop", size="sm", elem_id="confirm-delete-btn")
-                    cancel_btn = gr.Button("Keep it", size="sm", elem_id="cancel-delete-btn")
-            dark_btn = gr.Button("Dark mode", size="sm", elem_id="dark-btn")
-        with gr.Tab("Chat"):
-            with gr.Row(equal_height=True):
-                title = gr.Markdown("### New conversation", elem_id="title")
-                upload_btn = gr.UploadButton("Attach .txt .md .pdf .docx", file_count="multiple", size="sm",
-                                             elem_id="upload-btn", scale=0, min_width=230)
-                summarize_btn = gr.Button("Summarize", size="sm", elem_id="summarize-btn", scale=0, min_width=110)
-            chips = gr.HTML(ui.chips_html([]), elem_id="chips")
-            gauge = gr.HTML(ui.gauge_html(None), elem_id="gauge")
-            chatbot = gr.Chatbot(elem_id="chat", editable="user", placeholder=ui.EMPTY_CHAT, height="52vh",
-                                 buttons=["copy"], show_label=False)
-            stats = gr.Markdown("", elem_id="turn-stats")
-            with gr.Row(equal_height=True):
-                msg = gr.Textbox(placeholder="Ask about your document…", show_label=False, lines=1, max_lines=8,
-                                 scale=8, elem_id="msg", autofocus=True)
-                send_btn = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send-btn")
-                stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=80, elem_id="stop-btn")
-            with gr.Row():
-                regen_btn = gr.Button("Regenerate", size="sm", elem_id="regen-btn")
-                undo_btn = gr.Button("Undo", size="sm", elem_id="undo-btn")
-            with gr.Row(equal_height=True, elem_id="versions-row"):
-                versions = gr.Dropdown(choices=[], label="Versions (edits and regenerations are kept)",
-                                       visible=False, scale=4, elem_id="versions")
-                older_btn = gr.Button("◀ Older", size="sm", scale=0, min_width=90, elem_id="older-btn")
-                newer_btn = gr.Button("Newer ▶", size="sm", scale=0, min_width=90, elem_id="newer-btn")
-            edit_id = gr.Textbox(visible=False)  # API path of edit: (message id, new text)
-            edit_text = gr.Textbox(visible=False)
-            edit_btn = gr.Button(visible=False)
-        with gr.Tab("Settings"):
-            settings = [
-                gr.Textbox(form.model_path, label="Model path", placeholder="empty: the bundled SmolLM2-135M-Instruct",
-                           info="A .gguf file or a Hugging Face directory (Llama, Qwen2, Mistral)."),
-                gr.Slider(0.0, 2.0, form.temperature, step=0.05, label="Temperature (0 = greedy)"),
-                gr.Slider(0.05, 1.0, form.top_p, step=0.05, label="Top-p"),
-                gr.Slider(1, 2048, form.max_new_tokens, step=1, label="Max reply tokens"),
-                gr.Slider(1.0, 2.0, form.repetition_penalty, step=0.05, label="Repetition penalty"),
-                gr.Textbox(form.system_prompt, label="System prompt (new conversations)", lines=3),
-                gr.Checkbox(form.spotlight_enabled, label="Spotlight attention"),
-                gr.Slider(0.005, 0.5, form.spotlight_ratio, step=0.005, label="Spotlight budget (share retrieved)"),
-            ]
-            apply_btn = gr.Button("Apply settings", variant="primary", elem_id="apply-btn")
-            settings_note = gr.Markdown("Changing the model, the system prompt or turning Spotlight on or off means a "
-                                        "new cache: the note after applying says what is recomputed.",
-                                        elem_id="settings-note")
+def show_confirm() -> gr.Row:
+    """Show the "really delete?" buttons."""
+    return gr.Row(visible=True)
 
-        VIEW = [session, sessions, title, chatbot, chips, gauge, stats, versions]
-        STREAM = VIEW + [msg]
-        streaming = {**STREAMING, "show_progress_on": [stats]}  # queue position and timer, under the chat
-        events = [  # (triggers, handler, inputs, outputs, options)
-            ([demo.load], open_initial, [], VIEW, {}),
-            ([new_btn.click, chatbot.clear], new_session, [], VIEW, {"api_name": "new_session"}),
-            ([sessions.input], open_session, [sessions], VIEW, {"api_name": "open_session"}),
-            ([search.submit, search.change], search_sessions, [search, session], [sessions],
-             {"api_name": "search", "trigger_mode": "always_last", "show_progress": "hidden"}),
-            ([rename_btn.click, rename_box.submit], rename, [session, rename_box], VIEW, {"api_name": "rename"}),
-            ([delete_btn.click], lambda: gr.Row(visible=True), [], [confirm_row], {"api_visibility": "private"}),
-            ([cancel_btn.click], lambda: gr.Row(visible=False), [], [confirm_row], {"api_visibility": "private"}),
-            ([confirm_btn.click], delete, [session], VIEW, {"api_name": "delete"}),
-            ([confirm_btn.click], lambda: gr.Row(visible=False), [], [confirm_row], {"api_visibility": "private"}),
-            ([export_md_btn.click], lambda s: export(s, True), [session], [export_file], {"api_name": "export_markdown"}),
-            ([export_json_btn.click], lambda s: export(s, False), [session], [export_file], {"api_name": "export_json"}),
-            ([import_btn.upload], import_json, [import_btn], VIEW, {"api_name": "import_json"}),
-            ([upload_btn.upload], upload, [session, upload_btn], VIEW,
-             {**ENGINE, "api_name": "upload", "show_progress_on": [chips]}),  # the progress bar and ETA
-            ([msg.submit, send_btn.click], send, [session, msg], STREAM,
-             {**streaming, "api_name": "send", "trigger_mode": "always_last"}),
-            ([summarize_btn.click], summarize, [session], STREAM, {**streaming, "api_name": "summarize"}),
-            ([regen_btn.click, chatbot.retry], regenerate, [session], STREAM, {**streaming, "api_name": "regenerate"}),
-            ([edit_btn.click], edit, [session, edit_id, edit_text], STREAM, {**streaming, "api_name": "edit"}),
-            ([chatbot.edit], edit_in_chat, [session, chatbot], STREAM, {**streaming, "api_visibility": "private"}),
-            ([undo_btn.click, chatbot.undo], undo, [session], STREAM, {**ENGINE, "api_name": "undo"}),
-            ([older_btn.click], lambda s, m: switch_version(s, m, -1), [session, versions], VIEW,
-             {**ENGINE, "api_name": "older_version"}),
-            ([newer_btn.click], lambda s, m: switch_version(s, m, +1), [session, versions], VIEW,
-             {**ENGINE, "api_name": "newer_version"}),
-            ([stop_btn.click], stop, [session], [], {"queue": False, "api_name": "stop"}),
-            ([apply_btn.click], apply_settings, settings, [settings_note],
-             {**ENGINE, "api_name": "apply_settings", "show_progress": "minimal"}),
-            ([dark_btn.click], None, [], [], {"js": DARK_JS, "api_visibility": "private"}),
-        ]
-        for triggers, handler, inputs, outputs, options in events:
-            gr.on(triggers, _guarded(handler, outputs, [stats, settings_note]), inputs, outputs, **options)
-        gr.api(history_api, api_name="history")
-    return demo
+
+def hide_confirm() -> gr.Row:
+    """Hide the "really delete?" buttons."""
+    return gr.Row(visible=False)
+
+
+def toast(warnings: list[str], notes: list[str]) -> None:
+    """Show each warning, then each note, as a toast."""
+    for text in warnings:
+        gr.Warning(text)
+    for text in notes:
+        gr.Info(text)
 
 
 def warn(error: Exception) -> str:
@@ -399,11 +561,81 @@ def warn(error: Exception) -> str:
     return f"⚠ {text}"
 
 
-def _guarded(handler, outputs: list, status: list):
-    """Run `handler`; a user-facing error (`ChatError`, a document's `DocumentError`, a bad
-    setting: ValueErrors whose message says the fix, STYLE rule 14) becomes a toast plus the
-    same text in the status output, and every other output is left as it was. (Raising
-    gr.Error instead would put Gradio's error badge over every output, hiding the chat.)"""
+# ----------------------------------------------------------------------------- events
+
+
+class Event(NamedTuple):
+    """One row of the events table: `handler` runs on each of `triggers`."""
+
+    triggers: list
+    handler: Callable | None
+    inputs: list
+    outputs: list
+    options: dict
+
+
+def events(c: Components, h: Handlers) -> list[Event]:
+    """The events table. Every event that uses the model shares concurrency_id "engine"."""
+    view, reply = c.view(), c.reply()
+    streaming = {**STREAMING, "show_progress_on": [c.status]}  # queue position and timer, under the chat
+    private = {"api_visibility": "private"}
+    return [
+        Event([c.demo.load], h.open_initial, [], view, {}),
+        Event([c.new_btn.click, c.chat.clear], h.new_session, [], view, {"api_name": "new_session"}),
+        Event([c.sessions.input], h.open_session, [c.sessions], view, {"api_name": "open_session"}),
+        Event([c.search.submit, c.search.change], h.search_sessions, [c.search, c.session], [c.sessions],
+              {"api_name": "search", "trigger_mode": "always_last", "show_progress": "hidden"}),
+        Event([c.rename_btn.click, c.rename_box.submit], h.rename, [c.session, c.rename_box], view,
+              {"api_name": "rename"}),
+        Event([c.delete_btn.click], show_confirm, [], [c.confirm_row], private),
+        Event([c.cancel_btn.click], hide_confirm, [], [c.confirm_row], private),
+        Event([c.confirm_btn.click], h.delete, [c.session], view, {"api_name": "delete"}),
+        Event([c.confirm_btn.click], hide_confirm, [], [c.confirm_row], private),
+        Event([c.export_md_btn.click], h.export_markdown, [c.session], [c.export_file], {"api_name": "export_markdown"}),
+        Event([c.export_json_btn.click], h.export_json, [c.session], [c.export_file], {"api_name": "export_json"}),
+        Event([c.import_btn.upload], h.import_json, [c.import_btn], view, {"api_name": "import_json"}),
+        Event([c.upload_btn.upload], h.upload, [c.session, c.upload_btn], view,
+              {**ENGINE, "api_name": "upload", "show_progress_on": [c.chips]}),  # the progress bar and ETA
+        Event([c.msg.submit, c.send_btn.click], h.send, [c.session, c.msg], reply,
+              {**streaming, "api_name": "send", "trigger_mode": "always_last"}),
+        Event([c.summarize_btn.click], h.summarize, [c.session], reply, {**streaming, "api_name": "summarize"}),
+        Event([c.regen_btn.click, c.chat.retry], h.regenerate, [c.session], reply,
+              {**streaming, "api_name": "regenerate"}),
+        Event([c.edit_btn.click], h.edit, [c.session, c.edit_id, c.edit_text], reply, {**streaming, "api_name": "edit"}),
+        Event([c.chat.edit], h.edit_in_chat, [c.session, c.chat], reply, {**streaming, **private}),
+        Event([c.undo_btn.click, c.chat.undo], h.undo, [c.session], reply, {**ENGINE, "api_name": "undo"}),
+        Event([c.older_btn.click], h.older_version, [c.session, c.versions], view,
+              {**ENGINE, "api_name": "older_version"}),
+        Event([c.newer_btn.click], h.newer_version, [c.session, c.versions], view,
+              {**ENGINE, "api_name": "newer_version"}),
+        Event([c.stop_btn.click], h.stop, [c.session], [], {"queue": False, "api_name": "stop"}),
+        Event([c.apply_btn.click], h.apply_settings, list(c.settings), [c.settings_note],
+              {**ENGINE, "api_name": "apply_settings", "show_progress": "minimal"}),
+        Event([c.dark_btn.click], None, [], [], {"js": DARK_JS, **private}),
+    ]
+
+
+def wire(c: Components, h: Handlers) -> None:
+    """Attach every event of the table, and the history API (inside the Blocks being built)."""
+    for triggers, handler, inputs, outputs, options in events(c, h):
+        gr.on(triggers, adapted(handler, outputs, [c.status, c.settings_note]), inputs, outputs, **options)
+    gr.api(h.history_api, api_name="history")
+
+
+def build_ui(service: ChatService) -> gr.Blocks:
+    """The whole app over one chat service (see `serve` for launching it with its style)."""
+    handlers = Handlers(ServiceRef(service), Path(tempfile.mkdtemp(prefix="spotlight-export-")))
+    with gr.Blocks(title="Spotlight Chat", fill_height=True) as demo:
+        wire(layout(demo, service.config), handlers)
+    return demo
+
+
+def adapted(handler, outputs: list, status: list):
+    """`handler` as Gradio calls it: its View or Reply becomes the outputs' values
+    (`gradio_values`), and a user-facing error (`ChatError`, a document's `DocumentError`, a
+    bad setting: ValueErrors whose message says the fix, STYLE rule 14) becomes a toast plus
+    the same text in the status output, every other output left as it was. (Raising gr.Error
+    instead would put Gradio's error badge over every output, hiding the chat.)"""
     if handler is None:
         return None
     where = next((i for i, component in enumerate(outputs) if any(component is s for s in status)), None)
@@ -418,15 +650,19 @@ def _guarded(handler, outputs: list, status: list):
     if inspect.isgeneratorfunction(handler):
         @functools.wraps(handler)
         def wrapper(*args, **kwargs):
+            results = handler(*args, **kwargs)
             try:
-                yield from handler(*args, **kwargs)
+                for result in results:
+                    yield gradio_values(result, len(outputs))
             except ValueError as error:
                 yield fallback(error)
+            finally:  # NOTE: when Gradio closes this generator, the handler's must close too (it stops the engine)
+                results.close()
     else:
         @functools.wraps(handler)
         def wrapper(*args, **kwargs):
             try:
-                return handler(*args, **kwargs)
+                return gradio_values(handler(*args, **kwargs), len(outputs))
             except ValueError as error:
                 return fallback(error)
     return wrapper

@@ -143,6 +143,10 @@ class ChatService:
         """Things the UI should show once (e.g. untrained Spotlight encoders)."""
         return tuple(self.engine.warnings)
 
+    def count_tokens(self, text: str) -> int:
+        """How many tokens the model's tokenizer makes of `text` (loads the model on first use)."""
+        return len(self.engine.encode(text))
+
     def close(self) -> None:
         """Drop the warm contexts and close the store (call when no reply is running)."""
         self._pool.clear()

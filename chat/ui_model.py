@@ -34,6 +34,9 @@ TEMPLATE_TOKENS = 5  # "<|im_start|>role\n ... <|im_end|>\n" around each message
 DOCUMENT_WRAPPER_TOKENS = 12  # '<document name="...">' ... '</document>' around each document (chat/render.py)
 NO_SESSIONS = "No conversations yet: press + New chat, or just type a message."
 NO_DOCUMENTS = "No document attached yet: <b>Attach</b> adds one (several are fine)."
+READING = "reading the conversation…"  # the status line while a prompt is prefilled
+STALE_EDIT = "This conversation changed (another tab?); it was reloaded. Edit the message again."
+NOTHING_CHANGED = "Nothing changed."
 _TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
 
 
@@ -60,6 +63,53 @@ def export_filename(title: str, suffix: str) -> str:
     """A safe file name for an export: 'Trip to Lisbon' -> 'Trip-to-Lisbon.md'."""
     stem = _TITLE_SLUG.sub("-", title).strip("-")[:60] or "conversation"
     return f"{stem}{suffix}"
+
+
+def search_choices(sessions: list[SessionInfo], session_id: str | None) -> tuple[list[tuple[str, str]], str | None]:
+    """The conversation list for a search, and the open conversation if the list shows it."""
+    choices = session_choices(sessions)
+    return choices, session_id if any(value == session_id for _, value in choices) else None
+
+
+# ----------------------------------------------------------------------------- the screen
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the display needs from the model."""
+
+    window: int | None  # the context window in tokens; None while the model cannot be loaded
+    dense: bool  # the engine decodes densely whatever the settings say
+    count_tokens: Callable[[str], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Screen:
+    """Everything the sidebar and the chat tab show for one open conversation."""
+
+    session_choices: list[tuple[str, str]]
+    sessions_info: str | None  # the hint under an empty conversation list
+    title: str
+    messages: list[dict]
+    chips: str
+    gauge: str
+    status: str
+    version_choices: list[tuple[str, str]]
+    version: str | None
+
+
+def screen(sessions: list[SessionInfo], info: SessionInfo | None, history: list[ChatMessage],
+           documents: list[DocumentInfo], config: AppConfig, model: ModelFacts, near: str | None = None) -> Screen:
+    """The display values of the conversation `info` (None: a new, empty one) in the list
+    `sessions`. `near`: the parent of a place whose version was just switched (keeps it selected)."""
+    use = context_use(model.window, documents, history, config.sampling.max_new_tokens, model.count_tokens,
+                      info.system_prompt if info else "") if model.window else None
+    choices, chosen = version_choices(history, near)
+    return Screen(session_choices(sessions), None if sessions else NO_SESSIONS,
+                  f"### {info.title if info else 'New conversation'}", chat_messages(history)[0],
+                  chips_html(documents), gauge_html(use),
+                  turn_line(last_stats(history), config.spotlight, model.window is not None and model.dense),
+                  choices, chosen)
 
 
 # ----------------------------------------------------------------------------- messages
@@ -94,6 +144,20 @@ def version_choices(history: list[ChatMessage], near: str | None = None) -> tupl
             if near is not None and message.parent_id == near:
                 chosen = message.id
     return choices, chosen or (choices[-1][1] if choices else None)
+
+
+def edited_message_id(history: list[ChatMessage], shown: list[dict], index: int) -> str | None:
+    """The id of the message at chat entry `index` that the user edited in `shown` (the chat
+    as the browser had it, contents flattened to text), or None when that entry is no stored
+    message or the chat above it no longer matches the stored conversation (another tab)."""
+    messages, ids = chat_messages(history)
+    if index >= len(ids) or ids[index] is None or _plain(shown[:index]) != _plain(messages[:index]):
+        return None
+    return ids[index]
+
+
+def _plain(messages: list[dict]) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in messages]
 
 
 def parent_of(history: list[ChatMessage], message_id: str) -> str | None:
@@ -347,6 +411,29 @@ def apply_settings(config: AppConfig, form: SettingsForm) -> tuple[AppConfig, li
     if sampling != config.sampling:
         notes.append("**Sampling changed:** applies from the next reply; cached context is kept.")
     return new, notes
+
+
+def settings_note(notes: list[str]) -> str:
+    """The note under the settings after a change was applied."""
+    return "\n\n".join(["Settings applied."] + notes)
+
+
+# ----------------------------------------------------------------------------- uploads
+
+
+def upload_refusal(report) -> str | None:
+    """The error for an upload of which no file could be attached (an `IngestReport` with
+    errors and no documents), else None."""
+    if report.errors and not report.documents:
+        return " ".join(message for _, message in report.errors)
+    return None
+
+
+def upload_notices(report) -> tuple[list[str], list[str]]:
+    """(warnings, notes) to toast after an upload: each refused file, then what the reading
+    and the prefill report."""
+    return ([message for _, message in report.errors],
+            report.warnings + (report.resume.notices if report.resume else []))
 
 
 # ----------------------------------------------------------------------------- errors

@@ -2,13 +2,16 @@
 and one real-model flow over HTTP. Issue: "The Gradio app: a long-document chat people enjoy,
 tested in a real browser" (flows on the fake engine: test_app_flows.py; browser: test_browser.py).
 """
+import dataclasses
 from dataclasses import replace
 
+import gradio as gr
 import pytest
 
-from app import history_from_gradio, text_of, throttled
+import app
+from app import Components, Handlers, Reply, ServiceRef, View, history_from_gradio, text_of, throttled
 from chat import documents, ui_model as ui
-from chat.records import ChatMessage, DocumentInfo, Turn
+from chat.records import ChatMessage, DocumentInfo, SessionInfo, Turn
 from chat.service import ChatService
 from fakes import echo_engine, free_port
 from chat.config import AppConfig
@@ -35,6 +38,98 @@ def test_throttled_drops_intermediate_items_but_never_the_last():
     assert list(throttled(range(1000), seconds=60)) == [0, 999]
     assert list(throttled(range(5), seconds=0)) == [0, 1, 2, 3, 4]
     assert list(throttled([], seconds=1)) == []
+
+
+# ----------------------------------------------------------------------------- the UI's shape (issue #18, item 6)
+
+
+@pytest.fixture
+def ui_parts(tmp_path):
+    """(components, handlers, events table) of a UI over the echo engine, built as build_ui builds it."""
+    service = ChatService(AppConfig(home=tmp_path / "home", system_prompt="Be brief."), _engine=echo_engine())
+    handlers = Handlers(ServiceRef(service), tmp_path)
+    with gr.Blocks() as demo:
+        components = app.layout(demo, service.config)
+        table = app.events(components, handlers)
+    yield components, handlers, table
+    handlers.service.close()
+
+
+def test_the_components_are_exactly_those_the_events_table_names(ui_parts):
+    components, _, table = ui_parts
+    fields = {}
+    for field in dataclasses.fields(Components):
+        value = getattr(components, field.name)
+        for component in value if isinstance(value, tuple) else (value,):
+            fields[id(component)] = component
+    named = {}
+    for event in table:
+        for component in [trigger.__self__ for trigger in event.triggers] + event.inputs + event.outputs:
+            named[id(component)] = component
+    assert named.keys() == fields.keys()  # every named component is a field, and every field is named
+    assert [c.elem_id for c in components.view()] == [None, "sessions", "title", "chat", "chips", "gauge",
+                                                      "turn-stats", "versions"]
+    assert components.reply() == components.view() + [components.msg]
+
+
+def test_every_model_bound_event_shares_the_engine_queue(ui_parts):
+    components, handlers, table = ui_parts
+    engine_bound = {h.__name__ for _, h, _, _, options in table if options.get("concurrency_id") == "engine"}
+    assert engine_bound == {"upload", "send", "summarize", "regenerate", "edit", "edit_in_chat", "undo",
+                            "older_version", "newer_version", "apply_settings"}
+    assert all(options["concurrency_limit"] == 1 for *_, options in table if "concurrency_id" in options)
+
+
+def test_each_handler_returns_a_complete_view(ui_parts, tmp_path):
+    components, handlers, table = ui_parts
+    outputs = {h.__name__: outs for _, h, _, outs, _ in table if h is not None}
+    fresh = handlers.new_session()
+    session_id = fresh.session
+    assert isinstance(fresh, View) and (fresh.title, fresh.chat, fresh.chips, fresh.status) == (
+        "### New chat", [], ui.chips_html([]), "")
+    assert (fresh.sessions.value, [value for _, value in fresh.sessions.choices]) == (session_id, [session_id])
+    assert (fresh.versions.choices, fresh.versions.visible) == ([], False)
+    streamed = list(handlers.send(session_id, "hello there"))
+    assert all(isinstance(r, Reply) and isinstance(r.view, View) for r in streamed)
+    assert (streamed[0].view.chat, streamed[0].view.status, streamed[0].msg) == (
+        [ui.user_message("hello there"), ui.pending_message()], ui.READING, "")
+    final = streamed[-1]
+    assert final.view.chat == [ui.user_message("hello there"), ui.assistant_message("Echo: hello there")]
+    assert final.view.title == "### hello there" and "tokens cached" in final.view.status
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The vault code is 7481.\n")
+    views = {
+        "open_initial": handlers.open_initial(None), "open_session": handlers.open_session(session_id),
+        "rename": handlers.rename(session_id, "Vault"), "upload": handlers.upload(session_id, [str(notes)]),
+        "undo": handlers.undo(session_id), "new_session": handlers.new_session(), "delete": handlers.delete(None),
+        "import_json": handlers.import_json(handlers.export_json(session_id).value["path"]),
+        "send": final,
+    }
+    for name, result in views.items():
+        assert len(app.gradio_values(result, len(outputs[name]))) == len(outputs[name]), name
+    assert views["rename"].title == "### Vault" and "notes.txt" in views["upload"].chips
+    assert views["undo"].msg == "hello there" and views["undo"].view.chat == []
+    assert views["import_json"].title == "### Vault" and views["import_json"].session != session_id
+
+
+def test_gradio_values_puts_a_view_in_output_order():
+    view = View("s1", "sessions", "title", [], "chips", "gauge", "status", "versions")
+    assert app.gradio_values(view, 8) == ("s1", "sessions", "title", [], "chips", "gauge", "status", "versions")
+    assert app.gradio_values(Reply(view, "typed"), 9) == (*view, "typed")
+    assert app.gradio_values("note", 1) == "note"
+    with pytest.raises(AssertionError, match="a View of 8 values for 9 outputs"):
+        app.gradio_values(view, 9)
+
+
+def test_settings_apply_swaps_the_service_in_its_holder(ui_parts):
+    _, handlers, _ = ui_parts
+    before = handlers.service
+    form = ui.settings_form(before.config)
+    assert handlers.apply_settings(*dataclasses.astuple(form)) == ui.NOTHING_CHANGED
+    assert handlers.service is before
+    note = handlers.apply_settings(*dataclasses.astuple(replace(form, temperature=0.5)))
+    assert note == "Settings applied.\n\n**Sampling changed:** applies from the next reply; cached context is kept."
+    assert handlers.service is not before and handlers.service.config.sampling.temperature == 0.5
 
 
 # ----------------------------------------------------------------------------- display values
@@ -98,6 +193,37 @@ def test_spotlight_share_is_measured_when_the_turn_carries_it():
     assert ui.decodes_densely(echo_engine()) and not ui.decodes_densely(object())
 
 
+def test_screen_of_an_open_conversation(tmp_path):
+    config = AppConfig(home=tmp_path)
+    info = SessionInfo("s1", "Trip", 0.0, 0.0, "Be brief.")
+    history = [message("user", "hi"), message("assistant", "hello", finish="eos", cached_tokens=10, decode_tokens=2)]
+    docs = [DocumentInfo("d1", "a.txt", 400, 100)]
+    model = ui.ModelFacts(1000, False, len)
+    screen = ui.screen([info], info, history, docs, config, model)
+    use = ui.context_use(1000, docs, history, config.sampling.max_new_tokens, len, "Be brief.")
+    assert screen == ui.Screen(
+        ui.session_choices([info]), None, "### Trip", ui.chat_messages(history)[0], ui.chips_html(docs),
+        ui.gauge_html(use), ui.turn_line(history[-1].stats, config.spotlight), [], None)
+    empty = ui.screen([], None, [], [], config, ui.ModelFacts(None, True, len))
+    assert empty == ui.Screen([], ui.NO_SESSIONS, "### New conversation", [], ui.chips_html([]),
+                              ui.gauge_html(None), "", [], None)
+
+
+def test_edited_message_id_refuses_a_stale_chat():
+    history = [message("user", "one"), message("assistant", "two"), message("user", "three")]
+    shown = [{"role": m.role, "content": m.content} for m in history]
+    assert ui.edited_message_id(history, shown, 2) == "id-user-three"
+    assert ui.edited_message_id(history, [shown[0], {"role": "assistant", "content": "other"}], 2) is None
+    assert ui.edited_message_id(history, shown, 3) is None
+
+
+def test_search_choices_keep_the_open_conversation_only_when_listed():
+    found = [SessionInfo("s1", "Trip", 0.0, 0.0, "")]
+    choices = ui.session_choices(found)
+    assert ui.search_choices(found, "s1") == (choices, "s1")
+    assert ui.search_choices(found, "s2") == (choices, None)
+
+
 def test_chips_show_name_pages_and_tokens_escaped():
     html = ui.chips_html([DocumentInfo("d", "<b>x</b>.txt", 10, 3), DocumentInfo("e", "r.pdf", 900, 250, pages=1)])
     assert "&lt;b&gt;x&lt;/b&gt;.txt<small> · 3 tokens" in html and "<b>" not in html
@@ -151,6 +277,10 @@ def test_ingest_attaches_good_files_reports_bad_ones_and_prefills(tmp_path):
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
     assert seen[0][1] == "Reading notes.md"
     assert [d.name for d in service.documents(session.id)] == ["notes.md"]
+    assert ui.upload_refusal(report) is None
+    assert ui.upload_notices(report) == ([report.errors[0][1]], report.warnings + report.resume.notices)
+    refused = documents.ingest(service, session.id, [str(bad)])
+    assert ui.upload_refusal(refused) == refused.errors[0][1]
     service.close()
 
 
