@@ -166,9 +166,6 @@ class QuantMatrix:
 if HAVE_NUMBA:
     from numba import njit, prange
 
-    # Reassociation lets LLVM vectorise the sum (each row still has one fixed order); no "contract":
-    # weights are rounded as gguf rounds them before they meet x.
-    SUM_FASTMATH = {"reassoc", "nsz"}
     I32 = np.int32
     F32 = np.float32
 
@@ -194,79 +191,73 @@ if HAVE_NUMBA:
         return sc, mn
 
     # ------------------------------------------------------------------ one row: rb (S, R) uint8
-    # Dot kernels take xg = x viewed as (U, L); dequantize kernels write dg (U, L). Group u of a
-    # legacy block b: u = 2b (low nibbles / first half) and 2b + 1; of a k-quant super-block b:
-    # u = b * (V / L) + sub-block.
+    # Dot kernels take xg = x viewed as (U, L) and a lane accumulator acc (L,); dequantize kernels
+    # write dg (U, L). Group u of a legacy block b: u = 2b (low nibbles / first half) and 2b + 1;
+    # of a k-quant super-block b: u = b * (V / L) + sub-block. NOTE: the dot kernels add into
+    # acc[l] (lane l of every group) and sum the L lanes at the end of the row. That elementwise
+    # loop vectorises without fastmath; a scalar running sum needs "reassoc" to vectorise and
+    # then runs a horizontal sum per group, which at L = 16 LLVM leaves scalar (3x slower).
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
-    def _dot_q4_0(f16, rb, xg):
+    @njit(cache=True, inline="always")
+    def _lanes_sum(acc):
         total = F32(0.0)
+        for l in range(acc.shape[0]):
+            total += acc[l]
+            acc[l] = F32(0.0)  # ready for the next row
+        return total
+
+    @njit(cache=True)
+    def _dot_q4_0(f16, rb, xg, acc):
         for b in range(rb.shape[0]):
             d = _half(f16, rb, b, 0)
-            s = F32(0.0)
             for l in range(xg.shape[1]):
                 v = I32(rb[b, 2 + l])
-                s += (d * F32(I32((v & 15) - 8))) * xg[2 * b, l] + (d * F32(I32((v >> 4) - 8))) * xg[2 * b + 1, l]
-            total += s
-        return total
+                acc[l] += (d * F32(I32((v & 15) - 8))) * xg[2 * b, l] + (d * F32(I32((v >> 4) - 8))) * xg[2 * b + 1, l]
+        return _lanes_sum(acc)
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
-    def _dot_q4_1(f16, rb, xg):
-        total = F32(0.0)
+    @njit(cache=True)
+    def _dot_q4_1(f16, rb, xg, acc):
         for b in range(rb.shape[0]):
             d, m = _half(f16, rb, b, 0), _half(f16, rb, b, 2)
-            s = F32(0.0)
             for l in range(xg.shape[1]):
                 v = I32(rb[b, 4 + l])
-                s += (d * F32(I32(v & 15)) + m) * xg[2 * b, l] + (d * F32(I32(v >> 4)) + m) * xg[2 * b + 1, l]
-            total += s
-        return total
+                acc[l] += (d * F32(I32(v & 15)) + m) * xg[2 * b, l] + (d * F32(I32(v >> 4)) + m) * xg[2 * b + 1, l]
+        return _lanes_sum(acc)
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
-    def _dot_q5_0(f16, rb, xg):
-        total = F32(0.0)
+    @njit(cache=True)
+    def _dot_q5_0(f16, rb, xg, acc):
         for b in range(rb.shape[0]):
             d, qh = _half(f16, rb, b, 0), _bits32(rb, b, 2)
-            s = F32(0.0)
             for l in range(xg.shape[1]):
                 v = I32(rb[b, 6 + l])
                 lo = I32((v & 15) | (I32((qh >> l) & 1) << 4)) - 16
                 hi = I32((v >> 4) | (I32((qh >> (l + HALF)) & 1) << 4)) - 16
-                s += (d * F32(I32(lo))) * xg[2 * b, l] + (d * F32(I32(hi))) * xg[2 * b + 1, l]
-            total += s
-        return total
+                acc[l] += (d * F32(I32(lo))) * xg[2 * b, l] + (d * F32(I32(hi))) * xg[2 * b + 1, l]
+        return _lanes_sum(acc)
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
-    def _dot_q5_1(f16, rb, xg):
-        total = F32(0.0)
+    @njit(cache=True)
+    def _dot_q5_1(f16, rb, xg, acc):
         for b in range(rb.shape[0]):
             d, m, qh = _half(f16, rb, b, 0), _half(f16, rb, b, 2), _bits32(rb, b, 4)
-            s = F32(0.0)
             for l in range(xg.shape[1]):
                 v = I32(rb[b, 8 + l])
                 lo = I32((v & 15) | (I32((qh >> l) & 1) << 4))
                 hi = I32((v >> 4) | (I32((qh >> (l + HALF)) & 1) << 4))
-                s += (d * F32(lo) + m) * xg[2 * b, l] + (d * F32(hi) + m) * xg[2 * b + 1, l]
-            total += s
-        return total
+                acc[l] += (d * F32(lo) + m) * xg[2 * b, l] + (d * F32(hi) + m) * xg[2 * b + 1, l]
+        return _lanes_sum(acc)
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
-    def _dot_q8_0(f16, rb, xg):
-        total = F32(0.0)
+    @njit(cache=True)
+    def _dot_q8_0(f16, rb, xg, acc):
         for b in range(rb.shape[0]):
             d = _half(f16, rb, b, 0)
-            s = F32(0.0)
             for l in range(xg.shape[1]):
-                s += (F32(np.int8(rb[b, 2 + l])) * d) * xg[b, l]
-            total += s
-        return total
+                acc[l] += (F32(np.int8(rb[b, 2 + l])) * d) * xg[b, l]
+        return _lanes_sum(acc)
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
-    def _dot_q45_k(f16, rb, xg, has_high):
-        """Q4_K (has_high False) and Q5_K: nibbles at byte 16 (Q4_K) or 48 after 32 B of high bits."""
+    @njit(cache=True)
+    def _dot_q4_k(f16, rb, xg, acc):
         subs = QK_K // K_SUB
-        qs = 4 + SCALE_BYTES_K + (QK_K // 8 if has_high else 0)
-        total = F32(0.0)
+        qs = 4 + SCALE_BYTES_K
         for b in range(rb.shape[0]):
             d, dmin = _half(f16, rb, b, 0), _half(f16, rb, b, 2)
             for pair in range(subs // 2):  # sub-blocks 2 * pair (low nibbles) and 2 * pair + 1 (high)
@@ -274,23 +265,36 @@ if HAVE_NUMBA:
                 sc0, mn0 = _scale_min_k4(rb, b, j)
                 sc1, mn1 = _scale_min_k4(rb, b, j + 1)
                 d0, m0, d1, m1 = d * F32(sc0), dmin * F32(mn0), d * F32(sc1), dmin * F32(mn1)
-                u = b * subs + j
-                s = F32(0.0)
+                u, at = b * subs + j, qs + pair * K_SUB
                 for l in range(xg.shape[1]):
-                    v = I32(rb[b, qs + pair * K_SUB + l])
-                    lo, hi = I32(v & 15), I32(v >> 4)
-                    if has_high:
-                        h = I32(rb[b, 4 + SCALE_BYTES_K + l])
-                        lo, hi = lo | (((h >> j) & 1) << 4), hi | (((h >> (j + 1)) & 1) << 4)
-                    s += (d0 * F32(I32(lo)) - m0) * xg[u, l] + (d1 * F32(I32(hi)) - m1) * xg[u + 1, l]
-                total += s
-        return total
+                    v = I32(rb[b, at + l])
+                    acc[l] += (d0 * F32(I32(v & 15)) - m0) * xg[u, l] + (d1 * F32(I32(v >> 4)) - m1) * xg[u + 1, l]
+        return _lanes_sum(acc)
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
-    def _dot_q6_k(f16, rb, xg):
+    @njit(cache=True)
+    def _dot_q5_k(f16, rb, xg, acc):
+        subs = QK_K // K_SUB
+        qh_at = 4 + SCALE_BYTES_K
+        qs = qh_at + QK_K // 8
+        for b in range(rb.shape[0]):
+            d, dmin = _half(f16, rb, b, 0), _half(f16, rb, b, 2)
+            for pair in range(subs // 2):
+                j = 2 * pair
+                sc0, mn0 = _scale_min_k4(rb, b, j)
+                sc1, mn1 = _scale_min_k4(rb, b, j + 1)
+                d0, m0, d1, m1 = d * F32(sc0), dmin * F32(mn0), d * F32(sc1), dmin * F32(mn1)
+                u, at = b * subs + j, qs + pair * K_SUB
+                for l in range(xg.shape[1]):
+                    v, h = I32(rb[b, at + l]), I32(rb[b, qh_at + l])
+                    lo = I32((v & 15) | (((h >> j) & 1) << 4))
+                    hi = I32((v >> 4) | (((h >> (j + 1)) & 1) << 4))
+                    acc[l] += (d0 * F32(lo) - m0) * xg[u, l] + (d1 * F32(hi) - m1) * xg[u + 1, l]
+        return _lanes_sum(acc)
+
+    @njit(cache=True)
+    def _dot_q6_k(f16, rb, xg, acc):
         subs = QK_K // Q6_SUB  # 16 sub-blocks: u = b * 16 + half * 8 + quarter * 2 + g
         qh_at, sc_at, d_at = QK_K // 2, QK_K // 2 + QK_K // 4, QK_K // 2 + QK_K // 4 + subs
-        total = F32(0.0)
         for b in range(rb.shape[0]):
             d = _half(f16, rb, b, d_at)
             for sub in range(subs):
@@ -300,44 +304,49 @@ if HAVE_NUMBA:
                 hi_at = qh_at + half * 32 + g * Q6_SUB
                 lo_shift, hi_shift = (quarter // 2) * 4, quarter * 2
                 u = b * subs + sub
-                s = F32(0.0)
                 for l in range(xg.shape[1]):
                     q = (((I32(rb[b, lo_at + l]) >> lo_shift) & 15) | (((I32(rb[b, hi_at + l]) >> hi_shift) & 3) << 4))
-                    s += (ds * F32(I32(q - 32))) * xg[u, l]
-                total += s
-        return total
+                    acc[l] += (ds * F32(I32(q - 32))) * xg[u, l]
+        return _lanes_sum(acc)
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
-    def _row_dot(kind, f16, rb, xg):
+    @njit(cache=True)
+    def _row_dot(kind, f16, rb, xg, acc):
         if kind == 0:
-            return _dot_q4_0(f16, rb, xg)
+            return _dot_q4_0(f16, rb, xg, acc)
         if kind == 1:
-            return _dot_q4_1(f16, rb, xg)
+            return _dot_q4_1(f16, rb, xg, acc)
         if kind == 2:
-            return _dot_q5_0(f16, rb, xg)
+            return _dot_q5_0(f16, rb, xg, acc)
         if kind == 3:
-            return _dot_q5_1(f16, rb, xg)
+            return _dot_q5_1(f16, rb, xg, acc)
         if kind == 4:
-            return _dot_q8_0(f16, rb, xg)
+            return _dot_q8_0(f16, rb, xg, acc)
         if kind == 5:
-            return _dot_q45_k(f16, rb, xg, False)
+            return _dot_q4_k(f16, rb, xg, acc)
         if kind == 6:
-            return _dot_q45_k(f16, rb, xg, True)
-        return _dot_q6_k(f16, rb, xg)
+            return _dot_q5_k(f16, rb, xg, acc)
+        return _dot_q6_k(f16, rb, xg, acc)
 
-    @njit(fastmath=SUM_FASTMATH, cache=True)
+    @njit(cache=True)
+    def _dot_rows(kind, f16, blocks, xg, bias, has_bias, out, row_start, row_end):
+        """out[r] for r in [row_start, row_end); its lane accumulator allocated once."""
+        acc = np.zeros(xg.shape[1], np.float32)  # (L,)
+        for r in range(row_start, row_end):
+            total = _row_dot(kind, f16, blocks[r], xg, acc)
+            out[r] = total + bias[r] if has_bias else total
+
+    @njit(cache=True)
     def _matvec_serial(kind, f16, blocks, xg, bias, has_bias, out):
         """blocks (F, S, R) uint8, xg (U, L) float32, out (F,) float32."""
-        for r in range(blocks.shape[0]):
-            acc = _row_dot(kind, f16, blocks[r], xg)
-            out[r] = acc + bias[r] if has_bias else acc
+        _dot_rows(kind, f16, blocks, xg, bias, has_bias, out, 0, blocks.shape[0])
 
-    @njit(fastmath=SUM_FASTMATH, cache=True, parallel=True)
-    def _matvec_parallel(kind, f16, blocks, xg, bias, has_bias, out):
-        """_matvec_serial with the rows spread over numba's threads (same bits: one thread per row)."""
-        for r in prange(blocks.shape[0]):
-            acc = _row_dot(kind, f16, blocks[r], xg)
-            out[r] = acc + bias[r] if has_bias else acc
+    @njit(cache=True, parallel=True)
+    def _matvec_parallel(kind, f16, blocks, xg, bias, has_bias, out, runs):
+        """_matvec_serial with the rows cut into `runs` runs, one per thread (same bits: a row is
+        summed by one thread in the same order whatever the thread count)."""
+        rows = blocks.shape[0]
+        for run in prange(runs):
+            _dot_rows(kind, f16, blocks, xg, bias, has_bias, out, run * rows // runs, (run + 1) * rows // runs)
 
     # Dequantization: the same decoding, written out instead of summed. fastmath off: every weight
     # must round exactly as gguf's numpy code rounds it.
@@ -454,10 +463,15 @@ def matvec(qm: QuantMatrix, x, out, bias=None) -> np.ndarray:
         dense = np.empty((qm.rows, qm.cols), np.float32)
         dequantize_into(qm, dense)
         np.dot(dense, xs, out=dest)
-        return dest + b if has_bias else dest
+        if has_bias:
+            dest += b
+        return dest
     xg = xs.reshape(qm.cols // fmt.group, fmt.group)  # (U, L)
-    kernel = _matvec_parallel if threads() > 1 and _numba_threads() > 1 else _matvec_serial
-    kernel(fmt.kind, HALF_TO_FLOAT, _block_view(qm, 0, qm.rows), xg, b, has_bias, dest)
+    blocks = _block_view(qm, 0, qm.rows)  # (F, S, R)
+    if threads() > 1:  # kernels.set_threads(n): the rows split over n threads
+        _matvec_parallel(fmt.kind, HALF_TO_FLOAT, blocks, xg, b, has_bias, dest, _numba_threads())
+    else:
+        _matvec_serial(fmt.kind, HALF_TO_FLOAT, blocks, xg, b, has_bias, dest)
     return dest
 
 
