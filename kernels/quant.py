@@ -23,12 +23,19 @@ Block layouts (ggml-quants, little-endian; "f16" is an IEEE half; d scale, m/dmi
   Q6_K  128 B low nibbles, 64 B 2-bit highs, 16 int8 scales, f16 d (16 sub-blocks of 16)
                                                 w = (d * sc) * (q - 32)
 
-Why numba and this loop shape (docs/notes-quant.md): every inner loop runs over one group of L
-values with its trip count read from an array shape (`xg.shape[1]`), never a constant: with a
-constant LLVM unrolls the loop and its SLP pass then leaves it scalar (~1 GB/s), while the loop
-vectoriser turns the runtime-count loop into AVX2 byte-extend / convert / multiply code.
-Integer parts stay int32 before conversion (AVX2 has no vector int64 -> float). Each row is
-summed by one thread in one fixed order, so results are bit-identical for any thread count.
+Why numba and this loop shape (measured: docs/notes-quant.md, bench/quant_speed.py):
+  * every inner loop runs over one group of L values with its trip count read from an array
+    shape (`xg.shape[1]`), never a constant: with a constant LLVM unrolls the loop and its SLP
+    pass then leaves it scalar (~1 GB/s), while the loop vectoriser turns the runtime-count loop
+    into AVX2 byte-extend / convert / multiply code;
+  * the dot kernels add into a lane accumulator acc[l] (lane l of every group) and sum the L
+    lanes once per row. That elementwise loop vectorises with fastmath off; a scalar running sum
+    only vectorises with "reassoc", and then pays a horizontal sum per group (3x slower at L = 16);
+  * integer parts stay int32 before conversion (AVX2 has no vector int64 -> float);
+  * activations are never quantized: an int8-activation variant (llama.cpp's approach) was no
+    faster in numba on AVX2 (no pmaddubsw from this IR) and had relative error 5e-3..2e-2.
+Each row is summed by one thread in one fixed order, so results are bit-identical for any
+thread count (kernels.set_threads).
 """
 from __future__ import annotations
 
@@ -255,6 +262,20 @@ if HAVE_NUMBA:
         return _lanes_sum(acc)
 
     @njit(cache=True)
+    def _dot_q8_0_pair(f16, ra, rb, xg, acc, out, r):
+        """out[r], out[r + 1] from rows ra, rb: one pass over x for both (1.3-1.6x faster than two
+        single rows for Q8_0; no gain for Q4_1, docs/notes-quant.md). acc: (2, L). The same
+        operations per row as _dot_q8_0 (fastmath off), hence the same bits."""
+        first, second = acc[0], acc[1]
+        for b in range(ra.shape[0]):
+            d0, d1 = _half(f16, ra, b, 0), _half(f16, rb, b, 0)
+            for l in range(xg.shape[1]):
+                xl = xg[b, l]
+                first[l] += (F32(np.int8(ra[b, 2 + l])) * d0) * xl
+                second[l] += (F32(np.int8(rb[b, 2 + l])) * d1) * xl
+        out[r], out[r + 1] = _lanes_sum(first), _lanes_sum(second)
+
+    @njit(cache=True)
     def _dot_q4_k(f16, rb, xg, acc):
         subs = QK_K // K_SUB
         qs = 4 + SCALE_BYTES_K
@@ -329,11 +350,18 @@ if HAVE_NUMBA:
 
     @njit(cache=True)
     def _dot_rows(kind, f16, blocks, xg, bias, has_bias, out, row_start, row_end):
-        """out[r] for r in [row_start, row_end); its lane accumulator allocated once."""
-        acc = np.zeros(xg.shape[1], np.float32)  # (L,)
-        for r in range(row_start, row_end):
-            total = _row_dot(kind, f16, blocks[r], xg, acc)
-            out[r] = total + bias[r] if has_bias else total
+        """out[r] for r in [row_start, row_end); its lane accumulators allocated once."""
+        acc = np.zeros((2, xg.shape[1]), np.float32)  # (2, L)
+        first = row_start
+        if kind == 4:  # Q8_0: pairs of rows, then the odd one out
+            for r in range(row_start, row_end - 1, 2):
+                _dot_q8_0_pair(f16, blocks[r], blocks[r + 1], xg, acc, out, r)
+            first = row_end - (row_end - row_start) % 2
+        for r in range(first, row_end):
+            out[r] = _row_dot(kind, f16, blocks[r], xg, acc[0])
+        if has_bias:
+            for r in range(row_start, row_end):
+                out[r] += bias[r]
 
     @njit(cache=True)
     def _matvec_serial(kind, f16, blocks, xg, bias, has_bias, out):
