@@ -1,0 +1,210 @@
+"""Quantized matrix-vector kernels that read GGUF (ggml) blocks as they are stored.
+
+Shape legend: F output features (rows), E input features (cols), Q bytes per row, S blocks per
+row, R bytes per block, V values per block, L values per group (the run of values that share one
+scale: a half block for Q4/Q5, a sub-block for the k-quants), U = E / L groups per row.
+
+`QuantMatrix` holds one 2-D weight as its raw blocks (F, Q) uint8, validated once.
+`matvec(qm, x, out)` computes out (F,) = W (F, E) @ x (E,) [+ bias], decoding each block's
+weights in registers and accumulating `weight * x` in fp32, where `weight` is computed exactly as
+gguf.quants.dequantize computes it (same fp32 operations in the same order). Activations are
+never quantized. `dequantize_into(qm, out)` writes fp32 rows bit-identical to gguf's.
+
+The block layouts, the kernels and why they are shaped as they are: kernels/quant_cpu.py;
+measurements: docs/notes-quant.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cpu import HAVE_NUMBA, _numba_threads, as_numpy, threads
+from .quant_cpu import (HALF, HALF_TO_FLOAT, K_SUB, KIND_Q4_0, KIND_Q4_1, KIND_Q4_K, KIND_Q5_0, KIND_Q5_1,
+                        KIND_Q5_K, KIND_Q6_K, KIND_Q8_0, Q6_SUB, QK, QK_K, SCALE_BYTES_K)
+
+if HAVE_NUMBA:
+    from .quant_cpu import _dequantize_parallel, _dequantize_serial, _matvec_parallel, _matvec_serial
+
+
+class UnsupportedQuantType(ValueError):
+    """The tensor's ggml type has no quantized kernel here; the caller may dequantize to fp32."""
+
+    def __init__(self, qtype: str, tensor: str):
+        self.qtype, self.tensor = qtype, tensor
+        super().__init__(f"tensor {tensor!r}: ggml type {qtype} has no quantized kernel (supported: "
+                         f"{', '.join(SUPPORTED)}); dequantize it to fp32 instead (gguf.quants.dequantize)")
+
+
+class CorruptTensor(ValueError):
+    """The raw bytes do not match the declared type and shape (a truncated or mislabelled tensor)."""
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One ggml block type: its geometry and its kernel id."""
+
+    name: str
+    kind: int  # kernel id, the branch taken in _row_dot / _row_dequantize
+    values: int  # V: weights per block
+    block_bytes: int  # R
+    group: int  # L: the inner loop's length (values sharing one scale)
+
+
+FORMATS = {f.name: f for f in (
+    QuantFormat("Q4_0", KIND_Q4_0, QK, 2 + HALF, HALF),
+    QuantFormat("Q4_1", KIND_Q4_1, QK, 4 + HALF, HALF),
+    QuantFormat("Q5_0", KIND_Q5_0, QK, 6 + HALF, HALF),
+    QuantFormat("Q5_1", KIND_Q5_1, QK, 8 + HALF, HALF),
+    QuantFormat("Q8_0", KIND_Q8_0, QK, 2 + QK, QK),
+    QuantFormat("Q4_K", KIND_Q4_K, QK_K, 4 + SCALE_BYTES_K + QK_K // 2, K_SUB),
+    QuantFormat("Q5_K", KIND_Q5_K, QK_K, 4 + SCALE_BYTES_K + QK_K // 8 + QK_K // 2, K_SUB),
+    QuantFormat("Q6_K", KIND_Q6_K, QK_K, QK_K // 2 + QK_K // 4 + QK_K // Q6_SUB + 2, Q6_SUB),
+)}
+SUPPORTED = tuple(FORMATS)
+
+def format_of(qtype, tensor: str = "<raw>") -> QuantFormat:
+    """The QuantFormat of a ggml type given by name ("Q4_K"), gguf.GGMLQuantizationType or type id."""
+    import gguf
+
+    name = qtype.name if isinstance(qtype, gguf.GGMLQuantizationType) else qtype
+    if isinstance(name, (int, np.integer)) and not isinstance(name, bool):
+        try:
+            name = gguf.GGMLQuantizationType(int(name)).name
+        except ValueError:
+            raise UnsupportedQuantType(f"id {int(name)} (not a ggml type)", tensor) from None
+    if name not in FORMATS:
+        raise UnsupportedQuantType(str(name), tensor)
+    return FORMATS[name]
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """One 2-D weight W (F, E) kept as raw GGUF blocks: blocks (F, Q) uint8, row r = W[r, :]."""
+
+    name: str  # tensor name, for messages
+    qtype: str  # ggml type name, one of SUPPORTED
+    rows: int  # F, output features
+    cols: int  # E, input features
+    blocks: np.ndarray  # (F, Q) uint8, C-contiguous (may be a read-only memory map)
+
+    def __post_init__(self):
+        fmt = format_of(self.qtype, self.name)
+        if self.rows < 1 or self.cols < 1 or self.cols % fmt.values:
+            raise CorruptTensor(f"tensor {self.name!r}: {self.qtype} needs rows >= 1 and cols a multiple "
+                                f"of {fmt.values}, got ({self.rows}, {self.cols}); the file is damaged or "
+                                "the shape is given as (cols, rows) (GGUF lists ne0 = cols first)")
+        want = (self.rows, self.bytes_per_row)
+        b = self.blocks
+        if not isinstance(b, np.ndarray) or b.dtype != np.uint8 or b.shape != want or not b.flags.c_contiguous:
+            got = f"{b.dtype} {b.shape}" if isinstance(b, np.ndarray) else type(b).__name__
+            raise CorruptTensor(f"tensor {self.name!r}: {self.qtype} ({self.rows}, {self.cols}) needs "
+                                f"C-contiguous uint8 blocks {want} ({self.rows * self.bytes_per_row} bytes), "
+                                f"got {got}; the file is truncated or the type is wrong, re-download it")
+
+    @property
+    def format(self) -> QuantFormat:
+        return FORMATS[self.qtype]
+
+    @property
+    def bytes_per_row(self) -> int:
+        return self.cols // self.format.values * self.format.block_bytes  # Q
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.bytes_per_row
+
+    @classmethod
+    def from_bytes(cls, data, qtype, rows: int, cols: int, name: str = "<raw>") -> "QuantMatrix":
+        """From raw block bytes (any shape of uint8 holding exactly rows * Q bytes, zero-copy)."""
+        fmt = format_of(qtype, name)
+        data = np.asarray(data)
+        if data.dtype != np.uint8:
+            raise CorruptTensor(f"tensor {name!r}: raw blocks must be uint8, got {data.dtype}")
+        if cols % fmt.values:  # checked here too, so the reshape below cannot hide it
+            return cls(name, fmt.name, rows, cols, data)
+        per_row = cols // fmt.values * fmt.block_bytes
+        if data.size != rows * per_row:
+            raise CorruptTensor(f"tensor {name!r}: {fmt.name} ({rows}, {cols}) needs {rows * per_row} bytes "
+                                f"({per_row} per row), got {data.size}; the file is truncated or the type is wrong")
+        return cls(name, fmt.name, rows, cols, np.ascontiguousarray(data).reshape(rows, per_row))
+
+    @classmethod
+    def from_gguf_tensor(cls, tensor) -> "QuantMatrix":
+        """From a gguf.GGUFReader tensor (2-D; its shape lists cols first), sharing the file's memory map."""
+        fmt = format_of(tensor.tensor_type, tensor.name)
+        shape = [int(n) for n in tensor.shape]
+        if len(shape) != 2:
+            raise CorruptTensor(f"tensor {tensor.name!r}: a matrix needs 2 dimensions, got shape {shape}")
+        cols, rows = shape
+        return cls.from_bytes(tensor.data, fmt.name, rows, cols, tensor.name)
+
+
+# ---------------------------------------------------------------------------------- public API
+
+
+def _check_vector(a, length: int, what: str) -> np.ndarray:
+    a = as_numpy(a)
+    if a.shape != (length,) or a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise ValueError(f"{what} must be a C-contiguous float32 ({length},), got {a.dtype} {a.shape}")
+    return a
+
+
+def _block_view(qm: QuantMatrix, row_start: int, row_end: int) -> np.ndarray:
+    fmt = qm.format
+    return qm.blocks[row_start:row_end].reshape(row_end - row_start, qm.cols // fmt.values, fmt.block_bytes)  # (F', S, R)
+
+
+def matvec(qm: QuantMatrix, x, out, bias=None) -> np.ndarray:
+    """out (F,) = W (F, E) @ x (E,) [+ bias (F,)], reading qm's blocks in place; returns out.
+
+    x, out, bias: C-contiguous float32 numpy arrays or CPU tensors (out is written). fp32 sums of
+    the exactly dequantized weights times x; rows split over kernels.set_threads(n) threads with
+    bit-identical results for every n.
+    """
+    xs = _check_vector(x, qm.cols, "x")
+    dest = _check_vector(out, qm.rows, "out")
+    has_bias = bias is not None
+    b = _check_vector(bias, qm.rows, "bias") if has_bias else dest[:1]
+    fmt = qm.format
+    if not HAVE_NUMBA:  # pragma: no cover - numpy fallback
+        dense = np.empty((qm.rows, qm.cols), np.float32)
+        dequantize_into(qm, dense)
+        np.dot(dense, xs, out=dest)
+        if has_bias:
+            dest += b
+        return dest
+    xg = xs.reshape(qm.cols // fmt.group, fmt.group)  # (U, L)
+    blocks = _block_view(qm, 0, qm.rows)  # (F, S, R)
+    if threads() > 1:  # kernels.set_threads(n): the rows split over n threads
+        _matvec_parallel(fmt.kind, HALF_TO_FLOAT, blocks, xg, b, has_bias, dest, _numba_threads())
+    else:
+        _matvec_serial(fmt.kind, HALF_TO_FLOAT, blocks, xg, b, has_bias, dest)
+    return dest
+
+
+def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | None = None) -> np.ndarray:
+    """Rows [row_start, row_end) of W as fp32 into out (row_end - row_start, E); returns out.
+
+    The values equal gguf.quants.dequantize's bit for bit. out: a C-contiguous float32 numpy array
+    or CPU tensor of exactly that shape (e.g. a view of a reused buffer).
+    """
+    row_end = qm.rows if row_end is None else row_end
+    if not 0 <= row_start <= row_end <= qm.rows:
+        raise ValueError(f"rows [{row_start}, {row_end}) are outside [0, {qm.rows}) of {qm.name!r}")
+    dest = as_numpy(out)
+    want = (row_end - row_start, qm.cols)
+    if dest.shape != want or dest.dtype != np.float32 or not dest.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 {want}, got {dest.dtype} {dest.shape}")
+    if row_end == row_start:
+        return dest
+    fmt = qm.format
+    if not HAVE_NUMBA:  # pragma: no cover - numpy fallback
+        import gguf
+
+        dest[...] = gguf.quants.dequantize(qm.blocks[row_start:row_end], gguf.GGMLQuantizationType[fmt.name])
+        return dest
+    dg = dest.reshape(want[0], qm.cols // fmt.group, fmt.group)  # (F', U, L)
+    kernel = _dequantize_parallel if threads() > 1 and _numba_threads() > 1 else _dequantize_serial
+    kernel(fmt.kind, HALF_TO_FLOAT, _block_view(qm, row_start, row_end), dg)
+    return dest

