@@ -242,8 +242,8 @@ def main(argv=None) -> int:
     excerpts, skipped = build_excerpts(documents, questions, lengths, encode, decode)
     questions = [q for q in questions if q.document not in skipped]
     rows, answers, system_prompt = [], [], ""
-    for model in model_names(args.models):
-        for attention in (a.strip() for a in args.attention.split(",")):
+    for attention in (a.strip() for a in args.attention.split(",")):  # dense first: the reference
+        for model in model_names(args.models):
             run = RunConfig(model, attention == "spotlight", lengths, args.repetition_penalty)
             block_rows, block_answers, system_prompt = run_block(run, documents, questions, excerpts)
             rows += block_rows
