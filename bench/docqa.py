@@ -58,6 +58,9 @@ TEXT_KINDS = ("essay", "play", "scripture", "technical", "planted")
 # Spotlight's shipped encoders were trained on Shakespeare and the KJV (spotlight/corpus.py);
 # essays, Python docs and planted facts are held out.
 HELD_OUT = ("essay", "technical", "planted")
+# How the question is put (--framing): as a user would type it, or with an instruction to answer briefly
+# from the document.
+FRAMINGS = {"plain": "{question}", "brief": "Answer from the document in a few words. {question}"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class RunConfig:
     spotlight: bool
     lengths: tuple[int, ...]
     repetition_penalty: float = 1.1
+    framing: str = "plain"
 
 
 def model_names(spec: str) -> list[str]:
@@ -123,12 +127,12 @@ def service_for(run: RunConfig, store_root: Path):
     return ChatService(config, store_config=StoreConfig(store_root)), config
 
 
-def ask(service, document_id: str, excerpt: Excerpt, question: Question) -> dict:
+def ask(service, document_id: str, excerpt: Excerpt, question: Question, framing: str = "plain") -> dict:
     """One question in a new conversation holding the excerpt; the scored answer."""
     session = service.create(f"docqa {question.id}")
     service.attach_text(session.id, f"{document_id}.txt", excerpt.text)
     started, turn = time.perf_counter(), None
-    for turn in service.send(session.id, question.question):
+    for turn in service.send(session.id, FRAMINGS[framing].format(question=question.question)):
         pass
     sources = turn.sources or []
     top_quote = sources[0].quote if sources else ""
@@ -160,7 +164,7 @@ def run_block(run: RunConfig, documents, questions, excerpts) -> tuple[list[dict
                 if (spec_id, length) not in excerpts:
                     continue
                 for index, question in enumerate(q for q in questions if q.document == spec_id):
-                    answer = ask(service, spec_id, excerpts[spec_id, length], question)
+                    answer = ask(service, spec_id, excerpts[spec_id, length], question, run.framing)
                     answer.update(model=run.model, spotlight=run.spotlight, length=length, document=spec_id,
                                   document_kind=documents[spec_id].kind, first_of_document=index == 0)
                     log(f"{run.model} {'spotlight' if run.spotlight else 'dense'} {length}: {question.id} "
@@ -231,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--default", default=None, help="the model proposed as default (targets); "
                                                    "default: the best dense one at the longest length")
     p.add_argument("--repetition-penalty", type=float, default=1.1, help="1.1 is the app's; 1.0 is plain greedy")
+    p.add_argument("--framing", choices=sorted(FRAMINGS), default="plain",
+                   help="plain: the question as typed; brief: prefixed with " + repr(FRAMINGS["brief"][:-11]))
     p.add_argument("--answers", default=None, help="write every reply with its score here (JSON)")
     args = p.parse_args(argv)
     lengths = (tuple(int(x) for x in args.lengths.split(",")) if args.lengths
@@ -244,7 +250,7 @@ def main(argv=None) -> int:
     rows, answers, system_prompt = [], [], ""
     for attention in (a.strip() for a in args.attention.split(",")):  # dense first: the reference
         for model in model_names(args.models):
-            run = RunConfig(model, attention == "spotlight", lengths, args.repetition_penalty)
+            run = RunConfig(model, attention == "spotlight", lengths, args.repetition_penalty, args.framing)
             block_rows, block_answers, system_prompt = run_block(run, documents, questions, excerpts)
             rows += block_rows
             answers += block_answers
@@ -252,6 +258,7 @@ def main(argv=None) -> int:
         path = Path(args.answers or Path(args.json).with_suffix(".answers.json"))
         path.write_text(json.dumps(answers, indent=1, default=str))
     notes = _notes(questions, skipped, system_prompt, args.repetition_penalty, excerpts)
+    notes += f" Framing {args.framing!r}: {FRAMINGS[args.framing]!r}."
     columns = ["model", "attention", "length", "questions", "accuracy", "held_out_accuracy", "hallucinated",
                "sources_shown", "top_source_hit", "doc_prefill_tps", "decode_tps", "seconds", "load_s",
                *(f"acc_{kind}" for kind in TEXT_KINDS)]
