@@ -143,7 +143,8 @@ def ask(service, document_id: str, excerpt: Excerpt, question: Question, framing
         "top_source_hit": any(contains(top_quote, answer) for answer in question.answers),
         "depth": round(excerpt.depths.get(question.passage, float("nan")), 3),
         "prefill_tokens": turn.prefill_tokens, "prefill_tps": turn.prefill_tps,
-        "decode_tokens": turn.decode_tokens, "decode_tps": turn.decode_tps, "seconds": time.perf_counter() - started,
+        "decode_tokens": turn.decode_tokens, "decode_tps": turn.decode_tps, "read_share": turn.read_share,
+        "seconds": time.perf_counter() - started,
     }
 
 
@@ -182,6 +183,7 @@ def summarise(run: RunConfig, length: int, block: list[dict], seconds: float, lo
 
     valued = [a for a in block if a["kind"] in KINDS_WITH_VALUES]
     firsts = [a["prefill_tps"] for a in block if a["first_of_document"] and a["prefill_tps"]]
+    shares = [a["read_share"] for a in block if a["read_share"] is not None]
     row = {"model": run.model, "attention": "spotlight" if run.spotlight else "dense", "length": length,
            "questions": len(block), "accuracy": share(block, "correct"),
            "held_out_accuracy": share([a for a in block if a["document_kind"] in HELD_OUT], "correct"),
@@ -189,6 +191,7 @@ def summarise(run: RunConfig, length: int, block: list[dict], seconds: float, lo
            "top_source_hit": share(block, "top_source_hit"),
            "doc_prefill_tps": statistics.median(firsts) if firsts else float("nan"),
            "decode_tps": statistics.median([a["decode_tps"] for a in block]) if block else float("nan"),
+           "read_share": statistics.mean(shares) if shares else float("nan"),
            "seconds": seconds, "load_s": load_s}
     for kind in TEXT_KINDS:
         row[f"acc_{kind}"] = share([a for a in block if a["document_kind"] == kind], "correct")
@@ -260,7 +263,7 @@ def main(argv=None) -> int:
     notes = _notes(questions, skipped, system_prompt, args.repetition_penalty, excerpts)
     notes += f" Framing {args.framing!r}: {FRAMINGS[args.framing]!r}."
     columns = ["model", "attention", "length", "questions", "accuracy", "held_out_accuracy", "hallucinated",
-               "sources_shown", "top_source_hit", "doc_prefill_tps", "decode_tps", "seconds", "load_s",
+               "sources_shown", "top_source_hit", "read_share", "doc_prefill_tps", "decode_tps", "seconds", "load_s",
                *(f"acc_{kind}" for kind in TEXT_KINDS)]
     finish("docqa", args, rows, compute_targets(rows, args.default), title="Document QA (choosing the default model)",
            notes=notes, columns=columns)
@@ -285,7 +288,9 @@ def _notes(questions, skipped, system_prompt, penalty, excerpts) -> str:
         f"source quote contains an accepted answer. doc_prefill_tps: median over the first question of each "
         f"excerpt (which prefills it); decode_tps: median over replies. Spotlight with a model that has no "
         f"trained encoders (Qwen) uses untrained identity-like codes (the engine warns). seconds: the row's "
-        f"questions; load_s: the model load (and conversion on first use)."
+        f"questions; load_s: the model load (and conversion on first use). read_share: the mean share of the "
+        f"context a decode step read (Turn.read_share; 1.0 = dense): Spotlight runs densely below "
+        f"SpotlightConfig.dense_below = 2048 cached tokens, so at 2K it equals dense by construction."
     )
     if skipped:
         text += " Skipped: " + "; ".join(f"{doc}: {why}" for doc, why in skipped.items()) + "."
