@@ -137,7 +137,8 @@ def ask(service, document_id: str, excerpt: Excerpt, question: Question, framing
     sources = turn.sources or []
     top_quote = sources[0].quote if sources else ""
     return {
-        "id": question.id, "kind": question.kind, "reply": turn.text, "correct": correct(turn.text, question.answers),
+        "id": question.id, "kind": question.kind, "reply": turn.text,
+        "correct": correct(turn.text, question.answers, question.distractors),
         "hallucinated": hallucinated(turn.text, question),
         "sources_shown": bool(sources),
         "top_source_hit": any(contains(top_quote, answer) for answer in question.answers),

@@ -42,6 +42,9 @@ class Question:
     answers: tuple[str, ...]
     kind: str  # year | number | name | place | thing
     quick: bool = False
+    # Other values of the passage (e.g. the schools that did not accept him): a reply naming one
+    # is not counted correct even if it also names the answer (listing every candidate is no answer).
+    distractors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def load_questions(path: Path = QUESTIONS_FILE) -> tuple[dict[str, DocumentSpec]
         for d in data["documents"]
     }
     questions = [Question(q["id"], q["document"], q["passage"], q["question"], tuple(q["answers"]), q["kind"],
-                          bool(q.get("quick", False))) for q in data["questions"]]
+                          bool(q.get("quick", False)), tuple(q.get("distractors", ()))) for q in data["questions"]]
     for q in questions:
         if q.document not in documents:
             raise ValueError(f"question {q.id!r} names an unknown document {q.document!r} in {path}")
@@ -95,8 +98,9 @@ def contains(text: str, phrase: str) -> bool:
     return re.search(pattern, normalise(text)) is not None
 
 
-def correct(reply: str, answers: tuple[str, ...]) -> bool:
-    return any(contains(reply, answer) for answer in answers)
+def correct(reply: str, answers: tuple[str, ...], distractors: tuple[str, ...] = ()) -> bool:
+    """An accepted answer is in the reply and none of the distractors is."""
+    return any(contains(reply, a) for a in answers) and not any(contains(reply, d) for d in distractors)
 
 
 _NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
@@ -124,9 +128,10 @@ def values_of_kind(text: str, kind: str, ignore: str = "") -> list[str]:
 
 def hallucinated(reply: str, question: Question) -> bool:
     """A wrong reply that states a value of the question's kind (not a refusal)."""
-    if question.kind not in KINDS_WITH_VALUES or correct(reply, question.answers):
+    if question.kind not in KINDS_WITH_VALUES or correct(reply, question.answers, question.distractors):
         return False
-    return bool(values_of_kind(reply, question.kind, ignore=question.question))
+    return any(contains(reply, d) for d in question.distractors) or bool(
+        values_of_kind(reply, question.kind, ignore=question.question))
 
 
 # ----------------------------------------------------------------------------- source texts

@@ -39,6 +39,12 @@ def test_answers_match_as_whole_words_case_insensitively():
     assert (correct("It was Orsino.", ("Olivia", "Orsino")), correct("Nobody.", ("Orsino",))) == (True, False)
 
 
+def test_a_reply_listing_the_distractors_too_is_wrong_and_states_a_wrong_value():
+    q = Question("q", "doc", "p", "Which school accepted him?", ("Harvard",), "place", distractors=("MIT", "Yale"))
+    assert [correct(r, q.answers, q.distractors) for r in ("Harvard.", "MIT, Yale and Harvard.")] == [True, False]
+    assert [hallucinated(r, q) for r in ("Harvard.", "MIT, Yale and Harvard.", "mit")] == [False, True, True]
+
+
 def test_values_of_each_kind_are_found():
     assert values_of_kind("Opened in 1937, not 37 BC or 2081.", "year") == ["1937", "2081"]
     assert values_of_kind("About ten years, or 12.", "number") == ["12.", "ten"]
