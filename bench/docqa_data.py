@@ -246,17 +246,13 @@ def planted(text: str, anchor: str, facts: tuple[tuple[str, float], ...], length
     first sentence end at or after that fraction of its characters."""
     fact_tokens = sum(len(encode(" " + sentence)) for sentence, _ in facts)
     hay = excerpt(text, [anchor], length - fact_tokens, 0.0, encode, decode).text
-    cuts = []
-    for sentence, depth in facts:
-        cut = _sentence_end(hay, int(depth * len(hay)))
-        cuts.append((cut, sentence))
-    pieces, depths, previous, inserted = [], {}, 0, 0
-    for cut, sentence in sorted(cuts):
+    cuts = sorted((_sentence_end(hay, int(depth * len(hay))), sentence) for sentence, depth in facts)
+    pieces, depths, previous = [], {}, 0
+    for cut, sentence in cuts:
         pieces.append(hay[previous:cut])
-        offset = sum(len(piece) for piece in pieces)
+        depths[sentence] = sum(len(piece) for piece in pieces) + 1  # characters before it
         pieces.append(" " + sentence + " ")
-        depths[sentence] = offset  # characters before it; made a fraction below
-        previous, inserted = cut, inserted + 1
+        previous = cut
     pieces.append(hay[previous:])
     body = "".join(pieces)
     return Excerpt(body, len(encode(body)), {s: c / len(body) for s, c in depths.items()})
