@@ -63,6 +63,11 @@ HELD_OUT = ("essay", "technical", "planted")
 FRAMINGS = {"plain": "{question}", "brief": "Answer from the document in a few words. {question}"}
 
 
+COLUMNS = ["model", "attention", "length", "questions", "accuracy", "held_out_accuracy", "hallucinated",
+           "sources_shown", "top_source_hit", "read_share", "doc_prefill_tps", "decode_tps", "seconds", "load_s",
+           *(f"acc_{kind}" for kind in TEXT_KINDS)]
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One block of rows: a model with one attention, over the lengths."""
@@ -142,7 +147,7 @@ def ask(service, document_id: str, excerpt: Excerpt, question: Question, framing
         "hallucinated": hallucinated(turn.text, question),
         "sources_shown": bool(sources),
         "top_source_hit": any(contains(top_quote, answer) for answer in question.answers),
-        "depth": round(excerpt.depths.get(question.passage, float("nan")), 3),
+        "depth": round(excerpt.depths.get(question.passage, float("nan")), 3), "excerpt_tokens": excerpt.n_tokens,
         "prefill_tokens": turn.prefill_tokens, "prefill_tps": turn.prefill_tps,
         "decode_tokens": turn.decode_tokens, "decode_tps": turn.decode_tps, "read_share": turn.read_share,
         "seconds": time.perf_counter() - started,
@@ -242,7 +247,12 @@ def main(argv=None) -> int:
     p.add_argument("--framing", choices=sorted(FRAMINGS), default="plain",
                    help="plain: the question as typed; brief: prefixed with " + repr(FRAMINGS["brief"][:-11]))
     p.add_argument("--answers", default=None, help="write every reply with its score here (JSON)")
+    p.add_argument("--rescore", metavar="ANSWERS", default=None,
+                   help="no model: score the replies saved by an earlier run (its --answers file) again with "
+                        "the current questions and scoring, and write the rows as usual")
     args = p.parse_args(argv)
+    if args.rescore:
+        return rescore(args)
     lengths = (tuple(int(x) for x in args.lengths.split(",")) if args.lengths
                else QUICK_LENGTHS if args.quick else FULL_LENGTHS if args.full else LENGTHS)
     documents, questions = load_questions()
@@ -263,12 +273,45 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(answers, indent=1, default=str))
     notes = _notes(questions, skipped, system_prompt, args.repetition_penalty, excerpts)
     notes += f" Framing {args.framing!r}: {FRAMINGS[args.framing]!r}."
-    columns = ["model", "attention", "length", "questions", "accuracy", "held_out_accuracy", "hallucinated",
-               "sources_shown", "top_source_hit", "read_share", "doc_prefill_tps", "decode_tps", "seconds", "load_s",
-               *(f"acc_{kind}" for kind in TEXT_KINDS)]
     finish("docqa", args, rows, compute_targets(rows, args.default), title="Document QA (choosing the default model)",
-           notes=notes, columns=columns)
+           notes=notes, columns=COLUMNS)
     return 0
+
+
+def rescore(args) -> int:
+    """Rows from saved replies, scored again (timings as saved; load_s was not kept)."""
+    from spotlight.config import AppConfig
+
+    _, questions = load_questions()
+    by_id = {q.id: q for q in questions}
+    answers = json.loads(Path(args.rescore).read_text())
+    blocks: dict[tuple, list[dict]] = {}
+    for answer in answers:
+        question = by_id[answer["id"]]
+        answer.update(correct=correct(answer["reply"], question.answers, question.distractors),
+                      hallucinated=hallucinated(answer["reply"], question))
+        answer.setdefault("read_share", None)
+        blocks.setdefault((answer["model"], answer["spotlight"], answer["length"]), []).append(answer)
+    rows = [summarise(RunConfig(model, spotlight, (length,)), length, block, sum(a["seconds"] for a in block),
+                      float("nan")) for (model, spotlight, length), block in blocks.items()]
+    asked = [by_id[i] for i in dict.fromkeys(a["id"] for a in answers)]
+    notes = (f"Rescored (`--rescore {Path(args.rescore).name}`, {len(answers)} saved replies) with the current "
+             f"questions and scoring; seconds are the saved replies' own, load_s was not kept. "
+             + _notes(asked, {}, AppConfig().system_prompt, args.repetition_penalty, {}))
+    if args.answers:
+        Path(args.answers).write_text(json.dumps(answers, indent=1, default=str))
+    finish("docqa", args, rows, compute_targets(rows, args.default), title="Document QA (choosing the default model)",
+           notes=notes, columns=COLUMNS)
+    return 0
+
+
+def _spread(tokens: list[tuple[int, int]]) -> str:
+    if not tokens:
+        return "not recorded"
+    spans = {}
+    for length, n in tokens:
+        spans.setdefault(length, []).append(n)
+    return ", ".join(f"{length}: {min(ns)}-{max(ns)}" for length, ns in spans.items())
 
 
 def _notes(questions, skipped, system_prompt, penalty, excerpts) -> str:
@@ -280,7 +323,7 @@ def _notes(questions, skipped, system_prompt, penalty, excerpts) -> str:
         f"{len(questions)} questions ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}) from "
         f"bench/docqa_questions.json, each in its own conversation through `ChatService` (create, attach_text, "
         f"send). Excerpts: `length - {RESERVE}` SmolLM2 tokens of the source text containing the passage "
-        f"(measured excerpt tokens per length: {', '.join(f'{l}: {n}' for l, n in tokens[:6])}{' ...' if len(tokens) > 6 else ''}). "
+        f"(measured excerpt tokens per length: {_spread(tokens)}). "
         f"System prompt: {system_prompt!r}. Greedy, repetition penalty {penalty}, at most {MAX_NEW_TOKENS} new "
         f"tokens. accuracy: an accepted answer string in the reply (case-insensitive, normalised whitespace, "
         f"word boundaries); held_out_accuracy: essays, Python docs and planted facts only (Spotlight's encoders "

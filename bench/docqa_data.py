@@ -120,10 +120,20 @@ def values_of_kind(text: str, kind: str, ignore: str = "") -> list[str]:
         words = r"\b(?:" + "|".join(_NUMBER_WORDS) + r")\b"
         return re.findall(r"\d[\d,.]*", text) + re.findall(words, text.lower())
     if kind in ("name", "place"):
-        asked = {w.lower() for w in re.findall(r"[A-Za-z][\w'-]*", ignore)}
-        words = re.findall(r"\b[A-Z][\w'-]*", text)
-        return [w for w in words if w.lower() not in _NOT_NAMES and w.lower() not in asked]
+        asked = {_bare(w) for w in re.findall(r"[A-Za-z][\w'-]*", ignore)}
+        words = [_bare(w) for w in re.findall(r"\b[A-Z][\w'-]*", normalise_quotes(text))]
+        return [w for w in words if w not in _NOT_NAMES and w not in asked]
     return []
+
+
+def normalise_quotes(text: str) -> str:
+    return text.replace("\u2019", "'").replace("\u2018", "'")
+
+
+def _bare(word: str) -> str:
+    """A word without a possessive ending, lower case ("Naomi's" -> "naomi"), for the name check."""
+    word = word.lower()
+    return word[:-2] if word.endswith("'s") else word
 
 
 def hallucinated(reply: str, question: Question) -> bool:
