@@ -115,3 +115,20 @@ def test_targets_come_from_the_rows():
                    ("qwen / smollm2-135m-instruct accuracy at 8192 tokens (x; smollm2-135m-instruct floored at 1/10)",
                     7.0, 3.0, True),
                    ("qwen at 8192: Spotlight - dense accuracy (points)", -10.0, -3.0, False)]
+
+
+def test_every_document_of_the_question_file_cuts_an_excerpt_holding_its_passages():
+    from bench.docqa_data import SourceMissing, document_excerpt
+
+    documents, questions = load_questions()
+    missing = []
+    for spec in documents.values():
+        about = [q for q in questions if q.document == spec.id]
+        try:
+            piece = document_excerpt(spec, about, 12000, encode, decode)  # bytes: ~3K tokens
+        except SourceMissing as error:  # e.g. python3-doc not installed
+            missing.append(str(error))
+            continue
+        assert [q.id for q in about if q.passage not in piece.text] == [], spec.id
+        assert piece.n_tokens <= 12000 + 200, spec.id  # planted facts add their own bytes
+    assert all("python3-doc" in why for why in missing)
