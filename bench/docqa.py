@@ -156,12 +156,14 @@ def ask(service, document_id: str, excerpt: Excerpt, question: Question, framing
 
 def run_block(run: RunConfig, documents, questions, excerpts) -> tuple[list[dict], list[dict], str]:
     """Rows (one per length) and per-question answers of one model x attention."""
+    from spotlight.packaged import MODELS
+
     rows, answers = [], []
     with tempfile.TemporaryDirectory(prefix="spotlight-docqa-") as tmp:
         service, config = service_for(run, Path(tmp))
         started = time.perf_counter()
-        engine = service.engine  # loads (and on first use converts) the model
-        load_s, window = time.perf_counter() - started, engine.max_context
+        service.warm_up()  # loads (on first use: converts) the model, as the app does before the first reply
+        load_s, window = time.perf_counter() - started, MODELS[run.model].context
         for length in run.lengths:
             if length > window:
                 log(f"{run.model}: {length} tokens exceed its {window}-token window; skipped")
