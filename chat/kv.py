@@ -90,9 +90,9 @@ class CacheKey:
         return f"{self.encoder_fp or 'dense'}+prefix:{self.prefix_digest}"
 
     @property
-    def fps(self) -> dict:
-        """The keyword arguments the store's span calls take."""
-        return {"model_fp": self.model_fp, "encoder_fp": self.span_encoder_fp}
+    def span_key(self) -> memory.SpanKey:
+        """The key the store's span calls take."""
+        return memory.SpanKey(self.model_fp, self.encoder_fp, self.prefix_digest)
 
     def prefix_hash(self, prefix_ids: list[int]) -> PrefixHash:
         return memory.prefix_hash(prefix_ids, self.model_fp, self.span_encoder_fp)
@@ -183,7 +183,7 @@ class SpanCache:
         context = self.engine.new_context(max(capacity or 0, len(ids) + 1))
         report = Restored()
         chain = self._chain(session_id, key, ids, prefix_len)
-        with self.store.pin([span.id for span in chain]):
+        with self.store.spans.pin([span.id for span in chain]):
             for span in chain:
                 if not self._restore_span(context, span, ids, key, report, cancel):
                     break
@@ -193,9 +193,9 @@ class SpanCache:
 
     def _chain(self, session_id, key: CacheKey, ids: list[int], prefix_len: int) -> list[SpanRecord]:
         prefix_hash = key.prefix_hash(ids[:prefix_len]) if prefix_len else None
-        if prefix_hash is not None and self.store.find_prefix(prefix_hash) is None:
+        if prefix_hash is not None and self.store.spans.find_prefix(prefix_hash) is None:
             return []  # no prefix stored: message spans cannot start at position 0
-        return self.store.session_chain(session_id, **key.fps, prefix_hash=prefix_hash)
+        return self.store.spans.session_chain(session_id, key.span_key, prefix_hash=prefix_hash)
 
     def _restore_span(self, context, span: SpanRecord, ids, key, report: Restored, cancel) -> bool:
         """Load or recompute one span; False when the restore must stop here."""
@@ -209,7 +209,7 @@ class SpanCache:
         data = None
         if reason is None:
             try:
-                data = self.store.read_span(span.id, **key.fps).to_torch()
+                data = self.store.spans.read_span(span.id, key.span_key).to_torch()
             except memory.SpanUnavailable as error:
                 reason = _reason(error)
             except memory.FingerprintMismatch:
@@ -228,7 +228,7 @@ class SpanCache:
         restore. The span may simply run past the rendering (a reply being regenerated);
         a real difference (template or tokenizer changed) is reported."""
         try:
-            data = self.store.read_span(span.id, **key.fps).to_torch()
+            data = self.store.spans.read_span(span.id, key.span_key).to_torch()
         except (memory.SpanUnavailable, memory.FingerprintMismatch):
             return  # the rows cannot be used; what follows is prefilled
         stored = data.token_ids.tolist()
@@ -252,7 +252,7 @@ class SpanCache:
         report.recomputed += len(expected)
         report.recomputed_by_reason[reason] = report.recomputed_by_reason.get(reason, 0) + len(expected)
         try:
-            self.store.refill_span(span.id, span_tensors(context, start, start + len(expected)), **key.fps)
+            self.store.spans.refill_span(span.id, span_tensors(context, start, start + len(expected)), key.span_key)
         except (memory.StoreError, ValueError) as error:
             report.notices.append(f"Could not store the recomputed cache again ({error}).")
         return True
@@ -277,7 +277,7 @@ class SpanCache:
         parts = [_stored(span) for span in chain if span.end_pos <= len(ids)]
         if prefix_len:
             prefix_hash = key.prefix_hash(ids[:prefix_len])
-            record = self.store.find_prefix(prefix_hash)
+            record = self.store.spans.find_prefix(prefix_hash)
             if record is None or not record.complete:
                 have = {span.ordinal for span in record.spans} if record else set()
                 layout = self._prefix_layout(session_id, prefix_hash, ids[:prefix_len])
@@ -303,7 +303,7 @@ class SpanCache:
         """`prefix_layout` of the session's documents in this prefix (memoised by prefix hash)."""
         layout = self._layouts.get(prefix_hash)
         if layout is None:
-            texts = [self.store.document_text(document.id) for document in self.store.session_documents(session_id)]
+            texts = [self.store.transcript.document_text(document.id) for document in self.store.transcript.session_documents(session_id)]
             layout = prefix_layout(len(prefix_ids), segment_ends(self.engine, texts, prefix_ids))
             self._layouts[prefix_hash] = layout
             while len(self._layouts) > _LAYOUTS_KEPT:
@@ -333,14 +333,14 @@ class SpanCache:
             for item in pending:
                 try:
                     record = self._put(session_id, key, item)
-                except ValueError:
+                except memory.SpanSlotTaken:
                     continue  # that slot already holds a span (written by an earlier run)
                 except memory.NotFound:
                     return []  # the conversation was deleted meanwhile
                 except memory.StoreWriteError as error:
                     return [f"Could not save this conversation's cache ({error}) The conversation "
                             "itself is saved; its cache will be recomputed when needed."]
-                pins.enter_context(self.store.pin([record.id]))
+                pins.enter_context(self.store.spans.pin([record.id]))
         if prefix_ids:
             self._finish_prefix(key.prefix_hash(prefix_ids), len(prefix_ids))
         return []
@@ -348,14 +348,14 @@ class SpanCache:
     def _put(self, session_id, key: CacheKey, item: Pending) -> SpanRecord:
         part = item.part
         if part.owner == "prefix":
-            return self.store.put_prefix_span(
-                part.owner_id, part.ordinal, item.tensors, **key.fps, start_pos=part.start, session_id=session_id
+            return self.store.spans.put_prefix_span(
+                part.owner_id, part.ordinal, item.tensors, key.span_key, start_pos=part.start, session_id=session_id
             )
-        return self.store.put_message_span(part.owner_id, part.ordinal, item.tensors, **key.fps, start_pos=part.start)
+        return self.store.spans.put_message_span(part.owner_id, part.ordinal, item.tensors, key.span_key, start_pos=part.start)
 
     def _finish_prefix(self, prefix_hash: PrefixHash, prefix_len: int) -> None:
         """Mark the prefix complete once its spans, by ordinal, tile [0, prefix_len)."""
-        record = self.store.find_prefix(prefix_hash)
+        record = self.store.spans.find_prefix(prefix_hash)
         if record is None or record.complete:
             return
         position = 0
@@ -364,13 +364,13 @@ class SpanCache:
                 return
             position = span.end_pos
         if position == prefix_len:
-            self.store.complete_prefix(prefix_hash, prefix_len)
+            self.store.spans.complete_prefix(prefix_hash, prefix_len)
 
     def link(self, session_id: SessionId, key: CacheKey, prefix_ids: list[int]) -> None:
         """Record that the session uses its (already stored) prefix."""
         if prefix_ids:
             with contextlib.suppress(memory.PrefixNotFound):
-                self.store.link_prefix(session_id, key.prefix_hash(prefix_ids))
+                self.store.spans.link_prefix(session_id, key.prefix_hash(prefix_ids))
 
 
 def _stored(span: SpanRecord) -> Part:

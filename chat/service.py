@@ -161,32 +161,32 @@ class ChatService:
         """A new empty conversation (system prompt: the configured one unless given)."""
         prompt = self.config.system_prompt if system_prompt is None else system_prompt
         with translated():
-            return _session_info(self.store.create_session(title, system_prompt=prompt))
+            return _session_info(self.store.transcript.create_session(title, system_prompt=prompt))
 
     def get(self, session_id: SessionId) -> SessionInfo:
         with translated(session_id):
-            return _session_info(self.store.get_session(session_id))
+            return _session_info(self.store.transcript.get_session(session_id))
 
     def list_sessions(self, limit: int | None = None) -> list[SessionInfo]:
         """Conversations, most recently updated first."""
         with translated():
-            return [_session_info(record) for record in self.store.list_sessions(limit)]
+            return [_session_info(record) for record in self.store.transcript.list_sessions(limit)]
 
     def search(self, query: str) -> list[SessionInfo]:
         """Conversations whose title or messages contain every word of `query` (word prefixes)."""
         with translated():
-            return [_session_info(record) for record in self.store.search_sessions(query)]
+            return [_session_info(record) for record in self.store.transcript.search_sessions(query)]
 
     def rename(self, session_id: SessionId, title: str) -> SessionInfo:
         if not title.strip():
             raise InvalidAction("a conversation title cannot be empty; type a name")
         with translated(session_id):
-            return _session_info(self.store.update_session(session_id, title=title.strip()))
+            return _session_info(self.store.transcript.update_session(session_id, title=title.strip()))
 
     def delete(self, session_id: SessionId) -> None:
         """Delete the conversation, its messages, documents only it uses, and its cache."""
         with translated(session_id), self._flags.running(session_id):
-            self.store.delete_session(session_id)
+            self.store.transcript.delete_session(session_id)
         self._pool.drop(session_id)
 
     # ------------------------------------------------------------------ messages
@@ -204,7 +204,7 @@ class ChatService:
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records).plus("user", text)
             self._check_fits(conversation)
-            user = self.store.add_message(session_id, "user", text, parent_id=records[-1].id if records else None)
+            user = self.store.transcript.add_message(session_id, "user", text, parent_id=records[-1].id if records else None)
             if not records:
                 self._title_from(session_id, text)
             plan = ReplyPlan(session_id, conversation, [r.id for r in records] + [user.id],
@@ -236,7 +236,7 @@ class ChatService:
                 raise InvalidAction("only your own messages can be edited; use regenerate for a reply")
             conversation = self._conversation(session_id, records[:index]).plus("user", text)
             self._check_fits(conversation)
-            user = self.store.add_sibling(message_id, text)
+            user = self.store.transcript.add_sibling(message_id, text)
             plan = ReplyPlan(session_id, conversation, [r.id for r in records[:index]] + [user.id],
                              self._reply_to(session_id, user.id))
             yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
@@ -249,17 +249,17 @@ class ChatService:
             users = [record for record in records if record.role == "user"]
             if not users:
                 raise InvalidAction("there is nothing to undo in this conversation")
-            self.store.set_message_metadata(users[-1].id, {"undone": True})
+            self.store.transcript.set_message_metadata(users[-1].id, {"undone": True})
             return users[-1].content
 
     def switch_branch(self, session_id: SessionId, message_id: MessageId) -> list[ChatMessage]:
         """Show the branch through `message_id` (its newest continuation); returns the history."""
         with translated(session_id), self._flags.running(session_id):
-            if self.store.get_message(message_id).session_id != session_id:
+            if self.store.transcript.get_message(message_id).session_id != session_id:
                 raise MessageNotFound(message_id, session_id)
-            for record in self.store.switch_branch(message_id):
+            for record in self.store.transcript.switch_branch(message_id):
                 if record.metadata.get("undone"):
-                    self.store.set_message_metadata(record.id, {"undone": False})
+                    self.store.transcript.set_message_metadata(record.id, {"undone": False})
         return self.history(session_id)
 
     def switch_version(self, session_id: SessionId, message_id: MessageId, step: int) -> list[ChatMessage]:
@@ -267,9 +267,9 @@ class ChatService:
         regenerations; -1 = the older one, +1 = the newer one), clamped to the first and last;
         returns the history. The UI's "< version i of k >" arrows call this."""
         with translated(session_id):
-            if self.store.get_message(message_id).session_id != session_id:
+            if self.store.transcript.get_message(message_id).session_id != session_id:
                 raise MessageNotFound(message_id, session_id)
-            siblings = [record.id for record in self.store.siblings(message_id)]
+            siblings = [record.id for record in self.store.transcript.siblings(message_id)]
         index = min(max(siblings.index(message_id) + step, 0), len(siblings) - 1)
         return self.switch_branch(session_id, siblings[index])
 
@@ -301,30 +301,30 @@ class ChatService:
             with_document = Conversation(system_text(conversation.system, [(name, text)]), conversation.messages)
             self._check_fits(with_document)
             n_tokens = len(self.engine.encode(text))
-            record = self.store.add_document(name, text, pages=pages, n_tokens=n_tokens, session_id=session_id)
+            record = self.store.transcript.add_document(name, text, pages=pages, n_tokens=n_tokens, session_id=session_id)
             return _document_info(record)
 
     def documents(self, session_id: SessionId) -> list[DocumentInfo]:
         with translated(session_id):
-            return [_document_info(record) for record in self.store.session_documents(session_id)]
+            return [_document_info(record) for record in self.store.transcript.session_documents(session_id)]
 
     # ------------------------------------------------------------------ export / import
 
     def export_json(self, session_id: SessionId) -> str:
         """Every message of every branch, the documents with their text (no KV cache)."""
         with translated(session_id):
-            return export.to_json(self.store.export_session(session_id))
+            return export.to_json(self.store.transcript.export_session(session_id))
 
     def export_markdown(self, session_id: SessionId) -> str:
         with translated(session_id):
-            return export.to_markdown(self.store.export_session(session_id))
+            return export.to_markdown(self.store.transcript.export_session(session_id))
 
     def import_json(self, text: str | bytes) -> SessionInfo:
         """A new conversation from an `export_json` file (its cache is computed on first use)."""
         try:
             data = export.from_json(text)
             with translated():
-                session_id = self.store.import_session(data)
+                session_id = self.store.transcript.import_session(data)
         except ChatError:
             raise
         except (ValueError, KeyError, TypeError, IndexError) as error:  # a malformed or edited export
@@ -336,13 +336,13 @@ class ChatService:
     def cache_size(self, session_id: SessionId) -> CacheSize:
         """Disk used by the conversation's cache: its own spans and prefixes it shares."""
         with translated(session_id):
-            return self.store.session_cache_size(session_id)
+            return self.store.spans.session_cache_size(session_id)
 
     def drop_cache(self, session_id: SessionId) -> int:
         """Delete the conversation's cache from disk and memory (recomputed on next use);
         returns the number of span files removed. The conversation itself is kept."""
         with translated(session_id), self._flags.running(session_id):
-            dropped = self.store.drop_session_cache(session_id)
+            dropped = self.store.spans.drop_session_cache(session_id)
         self._pool.drop(session_id)
         return len(dropped)
 
@@ -358,7 +358,7 @@ class ChatService:
         with translated(session_id):
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records).plus("user", summary.REQUEST)
-            documents = [self._document(d.id) for d in self.store.session_documents(session_id)]
+            documents = [self._document(d.id) for d in self.store.transcript.session_documents(session_id)]
         if not documents:
             raise InvalidAction("there is no document to summarize; attach one first")
         prompt = self.runner.renderer.prompt(conversation)
@@ -366,16 +366,16 @@ class ChatService:
             yield from self.send(session_id, summary.REQUEST)
             return
         with translated(session_id), self._flags.running(session_id) as cancel:
-            user = self.store.add_message(session_id, "user", summary.REQUEST,
+            user = self.store.transcript.add_message(session_id, "user", summary.REQUEST,
                                           parent_id=records[-1].id if records else None)
             turn = Turn(session_id, user_message_id=user.id)
-            system = self.store.get_session(session_id).system_prompt
+            system = self.store.transcript.get_session(session_id).system_prompt
             with self._gate.hold(session_id), measuring(self.engine) as meter:
                 yield from summary.map_reduce(self.engine, self.config.sampling, system, documents, turn,
                                               cancel, progress)
             turn.read_share, turn.spotlight = meter.share(), uses_spotlight(self.engine)
             stats = {**turn.stats(), "summary": "map-reduce"}
-            turn.message_id = self.store.add_message(session_id, "assistant", turn.text, parent_id=user.id,
+            turn.message_id = self.store.transcript.add_message(session_id, "assistant", turn.text, parent_id=user.id,
                                                      metadata={"stats": stats}).id
         yield turn
 
@@ -404,7 +404,7 @@ class ChatService:
         session = self.create()
         with translated(session.id):
             for role, content in pairs:
-                self.store.add_message(session.id, role, content)
+                self.store.transcript.add_message(session.id, role, content)
             if pairs:
                 self._title_from(session.id, pairs[0][1])
         return session.id
@@ -413,7 +413,7 @@ class ChatService:
 
     def _visible(self, session_id: SessionId) -> list[MessageRecord]:
         """The active path up to (not including) its first undone message."""
-        path = self.store.active_path(session_id)
+        path = self.store.transcript.active_path(session_id)
         cut = next((i for i, record in enumerate(path) if record.metadata.get("undone")), len(path))
         return path[:cut]
 
@@ -421,20 +421,20 @@ class ChatService:
         for index, record in enumerate(records):
             if record.id == message_id:
                 return index
-        if self.store.get_message(message_id).session_id != session_id:
+        if self.store.transcript.get_message(message_id).session_id != session_id:
             raise MessageNotFound(message_id, session_id)
         raise InvalidAction("that message is not on the branch shown; switch to its branch first")
 
     def _conversation(self, session_id: SessionId, records: list[MessageRecord]) -> Conversation:
-        session = self.store.get_session(session_id)
-        documents = [self._document(d.id) for d in self.store.session_documents(session_id)]
+        session = self.store.transcript.get_session(session_id)
+        documents = [self._document(d.id) for d in self.store.transcript.session_documents(session_id)]
         return Conversation(system_text(session.system_prompt, documents),
                             tuple((r.role, r.content) for r in records))
 
     def _document(self, document_id: str) -> tuple[str, str]:
         if document_id not in self._documents:
-            self._documents[document_id] = (self.store.get_document(document_id).name,
-                                            self.store.document_text(document_id))
+            self._documents[document_id] = (self.store.transcript.get_document(document_id).name,
+                                            self.store.transcript.document_text(document_id))
         return self._documents[document_id]
 
     def _check_fits(self, conversation: Conversation) -> None:
@@ -445,22 +445,22 @@ class ChatService:
 
     def _reply_to(self, session_id: SessionId, user_id: MessageId):
         def store_reply(content: str, stats: dict) -> MessageRecord:
-            return self.store.add_message(session_id, "assistant", content, parent_id=user_id,
+            return self.store.transcript.add_message(session_id, "assistant", content, parent_id=user_id,
                                           metadata={"stats": stats})
         return store_reply
 
     def _sibling_of(self, reply_id: MessageId):
         def store_reply(content: str, stats: dict) -> MessageRecord:
-            return self.store.add_sibling(reply_id, content, metadata={"stats": stats})
+            return self.store.transcript.add_sibling(reply_id, content, metadata={"stats": stats})
         return store_reply
 
     def _title_from(self, session_id: SessionId, text: str) -> None:
-        if self.store.get_session(session_id).title == DEFAULT_TITLE:
+        if self.store.transcript.get_session(session_id).title == DEFAULT_TITLE:
             title = " ".join(text.split())[:_TITLE_CHARS] or DEFAULT_TITLE
-            self.store.update_session(session_id, title=title)
+            self.store.transcript.update_session(session_id, title=title)
 
     def _chat_message(self, record: MessageRecord) -> ChatMessage:
-        siblings = [m.id for m in self.store.siblings(record.id)]
+        siblings = [m.id for m in self.store.transcript.siblings(record.id)]
         return ChatMessage(record.id, record.role, record.content, record.parent_id,
                            siblings.index(record.id), len(siblings), record.metadata.get("stats", {}))
 

@@ -201,7 +201,7 @@ class TurnRunner:
 
     def _fingerprint_notices(self, session_id: SessionId, key: CacheKey) -> list[str]:
         """Say so when the conversation's cache was computed by another model or encoder."""
-        stored = self.store.get_session(session_id).settings.get("kv")
+        stored = self.store.transcript.get_session(session_id).settings.get("kv")
         if not stored:
             return []
         notices = []
@@ -219,9 +219,9 @@ class TurnRunner:
 
     def _record_fingerprints(self, session_id: SessionId, key: CacheKey) -> None:
         current = {"model_fp": key.model_fp, "encoder_fp": key.encoder_fp}
-        settings = self.store.get_session(session_id).settings
+        settings = self.store.transcript.get_session(session_id).settings
         if settings.get("kv") != current:
-            self.store.update_session(session_id, settings={**settings, "kv": current})
+            self.store.transcript.update_session(session_id, settings={**settings, "kv": current})
 
     @staticmethod
     def _report_restore(turn: Turn, restored: Restored | None) -> None:
