@@ -105,11 +105,6 @@ class Connections:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
-    def applied_migrations(self) -> list[str]:
-        """Names of the migrations this database has applied, in order."""
-        with self.read() as db:
-            return [migration.name for migration in KVSTORE.applied(db)]
-
     def _make_directories(self) -> None:
         try:
             self.config.spans_dir.mkdir(parents=True, exist_ok=True)

@@ -233,12 +233,6 @@ class Transcript:
             leaf = rows.session_row(db, session_id)["active_leaf_id"]
             return rows.message_path(db, leaf) if leaf else []
 
-    def children(self, session_id: SessionId, parent_id: MessageId | None) -> list[MessageRecord]:
-        """Direct replies to `parent_id` (None: the session's roots), oldest first."""
-        with self._connections.read() as db:
-            rows.session_row(db, session_id)
-            return _children(db, session_id, parent_id)
-
     def siblings(self, message_id: MessageId) -> list[MessageRecord]:
         """The alternatives at `message_id`'s place (itself included), oldest first."""
         with self._connections.read() as db:

@@ -20,6 +20,7 @@ from memory import (
     CacheSize,
     DocumentRecord,
     FingerprintMismatch,
+    MalformedSpan,
     MessageNotFound,
     MessageRecord,
     PrefixNotFound,
@@ -32,10 +33,12 @@ from memory import (
     SpanEvicted,
     SpanKey,
     SpanMissing,
+    SpanSlotTaken,
     SpanTensors,
     SpanUnavailable,
     Store,
     StoreCorrupt,
+    StoreError,
     StoreLocked,
     StoreWriteError,
     blobs,
@@ -117,11 +120,12 @@ def test_pending_migration_runs_on_open_and_indexes_old_rows(config, clock):
     db.close()
     with Store(config, clock=clock) as store:
         assert [session.id for session in store.transcript.search_sessions("budget")] == ["old"]
-        assert store.connections.applied_migrations() == [
-            "m001_core_tables",
-            "m002_full_text_search",
-            "m003_span_key_columns",
-        ]
+    conn = sqlite3.connect(config.db_path)
+    assert conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id").fetchall() == [
+        ("m001_core_tables",),
+        ("m002_full_text_search",),
+        ("m003_span_key_columns",),
+    ]
 
 
 def _snapshot(root: Path) -> dict:
@@ -227,7 +231,7 @@ def test_messages_form_a_chain(store):
     )
     assert store.transcript.active_path(session.id) == [u1, a1, u2, a2]
     assert store.transcript.get_session(session.id).active_leaf_id == a2.id
-    assert store.transcript.children(session.id, None) == [u1]
+    assert store.transcript.siblings(u1.id) == [u1]  # the only root
 
 
 def test_edit_and_regenerate_create_siblings_and_keep_old_branches(store):
@@ -400,6 +404,124 @@ def test_prefix_and_session_chain(store):
     assert store.spans.session_chain(session.id, other) == []
     with pytest.raises(PrefixNotFound):
         store.spans.complete_prefix(prefix_hash([1], **FP), 1)
+
+
+def test_span_key_is_checked():
+    assert SpanKey("m", "", "") == SpanKey("m", "", "")
+    with pytest.raises(ValueError, match="16 lowercase hex digits"):
+        SpanKey("m", "", "not-a-digest")
+    with pytest.raises(ValueError, match="must name the model"):
+        SpanKey("", "enc", "")
+
+
+def test_message_slot_is_per_key_and_a_taken_slot_is_named(store, config):
+    """Issue #18: a taken slot raises SpanSlotTaken (not ValueError) and leaves the store as it was."""
+    session, (u1, *_) = conversation(store)
+    first = store.spans.put_message_span(u1.id, 0, tensors(3), KEY, start_pos=0)
+    other_prefix = replace(KEY, prefix_digest="ffffffffffffffff")
+    second = store.spans.put_message_span(u1.id, 0, tensors(3), other_prefix, start_pos=0)
+    with pytest.raises(SpanSlotTaken, match=f"message {u1.id} already has span {first.id} at ordinal 0: "
+                       "that span is already stored") as taken:
+        store.spans.put_message_span(u1.id, 0, tensors(3, seed=1), KEY, start_pos=0)
+    assert (taken.value.span_id, taken.value.ordinal, isinstance(taken.value, StoreError)) == (first.id, 0, True)
+    ids = np.arange(3)
+    prefix = prefix_hash(ids, **FP)
+    held = store.spans.put_prefix_span(prefix, 0, tensors(3), KEY, start_pos=0)
+    with pytest.raises(SpanSlotTaken, match=f"prefix {prefix} already has span {held.id}"):
+        store.spans.put_prefix_span(prefix, 0, tensors(3), KEY, start_pos=0)
+    assert store.spans.session_chain(session.id, KEY, prefix_hash=None) == [first]
+    assert store.spans.session_chain(session.id, other_prefix) == [second]
+    store.close()
+    report = verify(config.root)
+    assert (report["ok"], report["spans_ready"], report["files_present"], report["orphan_files"]) == (
+        True, 3, 3, []
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda t: replace(t, k=t.k.astype(np.float64), v=t.v.astype(np.float64)),  # dtype
+        lambda t: replace(t, v=t.v[:, :, :2]),  # k and v disagree
+        lambda t: replace(t, token_ids=t.token_ids[:2]),  # token count disagrees
+    ],
+    ids=["dtype", "k-v-shapes", "token-count"],
+)
+def test_malformed_span_is_named_and_stores_nothing(store, config, bad):
+    """Issue #18: wrong shapes or dtypes raise MalformedSpan from put and refill, nothing is written."""
+    session, (u1, a1, *_) = conversation(store)
+    good = store.spans.put_message_span(u1.id, 0, tensors(4), KEY, start_pos=0)
+    with pytest.raises(MalformedSpan):
+        store.spans.put_message_span(a1.id, 0, bad(tensors(4)), KEY, start_pos=4)
+    with pytest.raises(MalformedSpan):
+        store.spans.refill_span(good.id, bad(tensors(4)), KEY)
+    assert store.spans.get_span(good.id) == good
+    assert store.spans.session_chain(session.id, KEY) == [good]
+    store.close()
+    report = verify(config.root)
+    assert (report["ok"], report["spans_ready"], report["files_present"], report["temp_files"]) == (True, 1, 1, [])
+
+
+def test_prefix_span_stores_its_document_segment(store):
+    session = store.transcript.create_session()
+    document = store.transcript.add_document(
+        "a.txt", "one two", segments=[SegmentSpec(0, 3), SegmentSpec(3, 7)], session_id=session.id
+    )
+    segment = store.transcript.segments(document.id)[1]
+    prefix = prefix_hash([1, 2], **FP)
+    record = store.spans.put_prefix_span(prefix, 0, tensors(2), KEY, start_pos=0, segment_id=segment.id)
+    assert (record.segment_id, store.spans.get_span(record.id)) == (segment.id, record)
+
+
+def _old_span(db, spans_dir, span_id, owner, n_tokens, start_pos, encoder_fp, **columns):
+    """A span file and row written as the code before m003 did (the prefix digest packed into encoder_fp)."""
+    data = tensors(n_tokens, first_token=start_pos)
+    prepared = blobs.prepare(data)
+    meta = {"format": blobs.FORMAT, "model_fp": FP["model_fp"], "encoder_fp": encoder_fp,
+            "dtype": "float32", "start_pos": str(start_pos), "n_tokens": str(n_tokens)}
+    written = blobs.write_span_file(spans_dir, f"{span_id}.0{blobs.SUFFIX}", prepared, meta)
+    row = {"id": span_id, "state": "ready", "file": written.name, "owner": owner, "prefix_hash": None,
+           "message_id": None, "session_id": None, "ordinal": 0, "segment_id": None, "model_fp": FP["model_fp"],
+           "encoder_fp": encoder_fp, "dtype": "float32", "n_tokens": n_tokens, "start_pos": start_pos,
+           "tokens_sha256": blobs.tokens_sha256(data.token_ids), "bytes": written.bytes,
+           "checksum": written.checksum, "created": 1.0, "last_used": 1.0}
+    db["spans"].insert({**row, **columns})
+    return data
+
+
+def test_store_from_before_m003_finds_its_spans_by_the_new_key(config, clock):
+    """Issue #18: an old store (migrations 1-2, packed encoder_fp) opens, and its spans are found by SpanKey."""
+    digest = "0123456789abcdef"
+    packed = f"enc@def+prefix:{digest}"
+    config.spans_dir.mkdir(parents=True)
+    db = sqlite_utils.Database(config.db_path)
+    KVSTORE.apply(db, stop_before="m003_span_key_columns")
+    db["sessions"].insert({"id": "s", "title": "Old", "created": 1.0, "updated": 1.0, "system_prompt": "",
+                           "settings": "{}", "active_leaf_id": "u"})
+    db["messages"].insert({"id": "u", "session_id": "s", "parent_id": None, "role": "user", "content": "hi",
+                           "created": 1.0, "n_tokens": 2, "metadata": "{}"})
+    old_hash = prefix_hash(np.arange(4), FP["model_fp"], packed)  # how chat hashed prefixes then
+    db["prefixes"].insert({"hash": old_hash, "model_fp": FP["model_fp"], "encoder_fp": packed, "n_tokens": 4,
+                           "complete": 1, "created": 1.0})
+    db["session_prefixes"].insert({"session_id": "s", "prefix_hash": old_hash, "linked": 1.0})
+    prefix_data = _old_span(db, config.spans_dir, "p0", "prefix", 4, 0, packed, prefix_hash=old_hash)
+    _old_span(db, config.spans_dir, "m0", "message", 2, 4, packed, message_id="u", session_id="s")
+    _old_span(db, config.spans_dir, "m1", "message", 2, 4, f"dense+prefix:{digest}", message_id="u",
+              session_id="s")
+    db.execute("PRAGMA user_version = 2")
+    db.close()
+    key, dense = SpanKey(FP["model_fp"], "enc@def", digest), SpanKey(FP["model_fp"], "", digest)
+    with Store(config, clock=clock) as store:
+        chain = store.spans.session_chain("s", key)
+        assert [(span.id, span.key) for span in chain] == [("p0", key), ("m0", key)]
+        assert store.spans.get_span("m1").key == dense
+        assert store.spans.session_chain("s", dense) == []  # no dense prefix stored: nothing starts at 0
+        assert store.spans.find_prefix(old_hash).key == key
+        read = store.spans.read_span("p0", key)  # the file's header still holds the packed form
+        assert (read.key, read.token_ids.tolist()) == (key, prefix_data.token_ids.tolist())
+        with pytest.raises(SpanSlotTaken):
+            store.spans.put_message_span("u", 0, tensors(2), key, start_pos=4)
+    assert verify(config.root)["ok"]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
