@@ -2,16 +2,17 @@
 
 Shape legend: L layers, Hkv KV heads, T tokens of a span, D head dim, W code words.
 
-Keys. A span is stored under the engine's model fingerprint and a *span encoder
-fingerprint* = the engine's encoder fingerprint ("dense" without codes) joined with a
-digest of the conversation's prefix ids. Message K/V depend on everything before them,
-prefix included; the store keys message spans by (message, model fp, encoder fp), so
-tagging the fingerprint with the prefix gives a conversation whose prefix changed
-(document attached later, system prompt edited) fresh slots instead of stale ones. The
-prefix itself is content-addressed: `prefix_hash(prefix ids, model fp, span encoder
-fp)` is the same in every conversation with the same system prompt and documents.
+Keys. A span is stored under a `memory.SpanKey` (`CacheKey.span_key`): the engine's model
+fingerprint, its encoder fingerprint ("" without codes) and a digest of the conversation's
+prefix ids. Message K/V depend on everything before them, prefix included; the store keys
+message spans by (message, ordinal, SpanKey), so a conversation whose prefix changed
+(document attached later, system prompt edited) gets fresh slots instead of stale ones. The
+prefix itself is content-addressed: `prefix_hash(prefix ids, model fp, span encoder fp)`,
+with the packed "<encoder fp or 'dense'>+prefix:<digest>" form kept as the hash input so
+that prefixes stored before the store's migration m003 are still found, is the same in
+every conversation with the same system prompt and documents.
 
-Restore (`SpanCache.restore`): map the chain (`Store.session_chain`), pin it, and for
+Restore (`SpanCache.restore`): map the chain (`store.spans.session_chain`), pin it, and for
 each span in order check fingerprints and checksum (`read_span`) and that its token ids
 equal the rendered conversation at its positions; load it with `KVCache.load`. A span
 that is evicted, missing, corrupt, or stored with another dtype is recomputed in place
