@@ -154,7 +154,7 @@ def write_synthetic(engine, root: Path) -> str:
         prefix_hash = key.prefix_hash(ids)
         for ordinal, start in enumerate(range(0, LONG, SPAN)):
             store.spans.put_prefix_span(prefix_hash, ordinal, _random_span(engine, rng, ids[start:start + SPAN]),
-                                  key.span_key, start_pos=start, session_id=session.id)
+                                        key.span_key, start_pos=start, session_id=session.id)
         store.spans.complete_prefix(prefix_hash, LONG)
     return session.id
 

@@ -304,7 +304,8 @@ class SpanCache:
         """`prefix_layout` of the session's documents in this prefix (memoised by prefix hash)."""
         layout = self._layouts.get(prefix_hash)
         if layout is None:
-            texts = [self.store.transcript.document_text(document.id) for document in self.store.transcript.session_documents(session_id)]
+            transcript = self.store.transcript
+            texts = [transcript.document_text(document.id) for document in transcript.session_documents(session_id)]
             layout = prefix_layout(len(prefix_ids), segment_ends(self.engine, texts, prefix_ids))
             self._layouts[prefix_hash] = layout
             while len(self._layouts) > _LAYOUTS_KEPT:
@@ -352,7 +353,9 @@ class SpanCache:
             return self.store.spans.put_prefix_span(
                 part.owner_id, part.ordinal, item.tensors, key.span_key, start_pos=part.start, session_id=session_id
             )
-        return self.store.spans.put_message_span(part.owner_id, part.ordinal, item.tensors, key.span_key, start_pos=part.start)
+        return self.store.spans.put_message_span(
+            part.owner_id, part.ordinal, item.tensors, key.span_key, start_pos=part.start
+        )
 
     def _finish_prefix(self, prefix_hash: PrefixHash, prefix_len: int) -> None:
         """Mark the prefix complete once its spans, by ordinal, tile [0, prefix_len)."""

@@ -204,7 +204,8 @@ class ChatService:
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records).plus("user", text)
             self._check_fits(conversation)
-            user = self.store.transcript.add_message(session_id, "user", text, parent_id=records[-1].id if records else None)
+            user = self.store.transcript.add_message(session_id, "user", text,
+                                                     parent_id=records[-1].id if records else None)
             if not records:
                 self._title_from(session_id, text)
             plan = ReplyPlan(session_id, conversation, [r.id for r in records] + [user.id],
@@ -301,7 +302,8 @@ class ChatService:
             with_document = Conversation(system_text(conversation.system, [(name, text)]), conversation.messages)
             self._check_fits(with_document)
             n_tokens = len(self.engine.encode(text))
-            record = self.store.transcript.add_document(name, text, pages=pages, n_tokens=n_tokens, session_id=session_id)
+            record = self.store.transcript.add_document(name, text, pages=pages, n_tokens=n_tokens,
+                                                        session_id=session_id)
             return _document_info(record)
 
     def documents(self, session_id: SessionId) -> list[DocumentInfo]:
@@ -367,7 +369,7 @@ class ChatService:
             return
         with translated(session_id), self._flags.running(session_id) as cancel:
             user = self.store.transcript.add_message(session_id, "user", summary.REQUEST,
-                                          parent_id=records[-1].id if records else None)
+                                                     parent_id=records[-1].id if records else None)
             turn = Turn(session_id, user_message_id=user.id)
             system = self.store.transcript.get_session(session_id).system_prompt
             with self._gate.hold(session_id), measuring(self.engine) as meter:
@@ -375,8 +377,8 @@ class ChatService:
                                               cancel, progress)
             turn.read_share, turn.spotlight = meter.share(), uses_spotlight(self.engine)
             stats = {**turn.stats(), "summary": "map-reduce"}
-            turn.message_id = self.store.transcript.add_message(session_id, "assistant", turn.text, parent_id=user.id,
-                                                     metadata={"stats": stats}).id
+            turn.message_id = self.store.transcript.add_message(session_id, "assistant", turn.text,
+                                                                parent_id=user.id, metadata={"stats": stats}).id
         yield turn
 
     # ------------------------------------------------------------------ app.py compatibility
@@ -446,7 +448,7 @@ class ChatService:
     def _reply_to(self, session_id: SessionId, user_id: MessageId):
         def store_reply(content: str, stats: dict) -> MessageRecord:
             return self.store.transcript.add_message(session_id, "assistant", content, parent_id=user_id,
-                                          metadata={"stats": stats})
+                                                     metadata={"stats": stats})
         return store_reply
 
     def _sibling_of(self, reply_id: MessageId):
