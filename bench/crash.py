@@ -147,7 +147,7 @@ def check(home: Path, committed: set[str], result: TrialResult, resume: set[str]
         result.leftovers = sum(service.store.recovered.values())
         for message_id in sorted(committed):
             try:
-                service.store.get_message(message_id)
+                service.store.transcript.get_message(message_id)
             except LookupError:
                 result.problems.append(f"committed message {message_id} was lost")
         sessions = service.list_sessions()

@@ -150,12 +150,12 @@ def write_synthetic(engine, root: Path) -> str:
     ids, rng = synthetic_ids(engine), np.random.default_rng(1)
     key = CacheKey.for_engine(engine, ids)
     with Store(StoreConfig(root)) as store:
-        session = store.create_session("32K synthetic")
+        session = store.transcript.create_session("32K synthetic")
         prefix_hash = key.prefix_hash(ids)
         for ordinal, start in enumerate(range(0, LONG, SPAN)):
-            store.put_prefix_span(prefix_hash, ordinal, _random_span(engine, rng, ids[start:start + SPAN]),
-                                  **key.fps, start_pos=start, session_id=session.id)
-        store.complete_prefix(prefix_hash, LONG)
+            store.spans.put_prefix_span(prefix_hash, ordinal, _random_span(engine, rng, ids[start:start + SPAN]),
+                                        key.span_key, start_pos=start, session_id=session.id)
+        store.spans.complete_prefix(prefix_hash, LONG)
     return session.id
 
 

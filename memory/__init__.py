@@ -1,16 +1,18 @@
 """Persistent memory: sessions, branch-aware messages, documents, and KV spans on disk.
 
-`Store` (memory/store.py: connections, lock, open, verify; assembled from
-memory/transcript.py and memory/spans.py) is the only code that touches the SQLite
-index or the span files; `blobs` owns the span file format; `errors` holds the named
-failures.
+`Store` (memory/store.py) is the only code that touches the SQLite index or the span
+files: it composes `Connections` (memory/connections.py), `store.transcript` (a
+`Transcript`, memory/transcript.py) and `store.spans` (a `SpanIndex`, memory/spans.py).
+`records` holds ids, `SpanKey` and the row records; `blobs` owns the span file format;
+`errors` holds the named failures. `python -m memory verify [PATH]` checks a store.
 Importing this package does not import torch.
 """
 
-from memory.blobs import PrefixHash, SpanFile, SpanId, SpanTensors, prefix_hash, tokens_sha256
+from memory.blobs import SpanFile, SpanTensors, prefix_hash, tokens_sha256
 from memory.errors import (
     DocumentNotFound,
     FingerprintMismatch,
+    MalformedSpan,
     MessageNotFound,
     NotFound,
     PrefixNotFound,
@@ -20,27 +22,33 @@ from memory.errors import (
     SpanEvicted,
     SpanMissing,
     SpanNotFound,
+    SpanSlotTaken,
     SpanUnavailable,
     StoreCorrupt,
     StoreError,
     StoreLocked,
     StoreWriteError,
 )
-from memory.migrations import (
+from memory.records import (
     CacheSize,
     DocumentId,
     DocumentRecord,
     MessageId,
     MessageRecord,
+    PrefixHash,
     PrefixRecord,
     SegmentId,
     SegmentRecord,
     SegmentSpec,
     SessionId,
     SessionRecord,
+    SpanId,
+    SpanKey,
     SpanRecord,
 )
+from memory.spans import SpanIndex
 from memory.store import ACTIVE_LEAF, SCHEMA_VERSION, Store, verify
+from memory.transcript import Transcript
 
 __all__ = [
     "ACTIVE_LEAF",
@@ -50,6 +58,7 @@ __all__ = [
     "DocumentNotFound",
     "DocumentRecord",
     "FingerprintMismatch",
+    "MalformedSpan",
     "MessageId",
     "MessageNotFound",
     "MessageRecord",
@@ -68,9 +77,12 @@ __all__ = [
     "SpanEvicted",
     "SpanFile",
     "SpanId",
+    "SpanIndex",
+    "SpanKey",
     "SpanMissing",
     "SpanNotFound",
     "SpanRecord",
+    "SpanSlotTaken",
     "SpanTensors",
     "SpanUnavailable",
     "Store",
@@ -78,6 +90,7 @@ __all__ = [
     "StoreError",
     "StoreLocked",
     "StoreWriteError",
+    "Transcript",
     "prefix_hash",
     "tokens_sha256",
     "verify",

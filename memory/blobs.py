@@ -16,7 +16,9 @@ holding, in this order in the data (8-byte types first, so every view is aligned
     k             [L, Hkv, T, D] float32 | float16 | bfloat16 (raw 16-bit words)
     v             [L, Hkv, T, D] same dtype as k
 
-and metadata strings: format, model_fp, encoder_fp, dtype, start_pos, n_tokens.
+and metadata strings: format, model_fp, encoder_fp, prefix_digest, dtype, start_pos,
+n_tokens (files written before migration m003 have no prefix_digest and the packed
+encoder_fp "<enc or 'dense'>+prefix:<digest>"; reading splits it, see `records.SpanKey`).
 
 Writing (`write_span_file`): a temporary name in the same directory (".<name>.tmp"),
 written straight from the arrays' buffers (no serialised copy), fsynced, renamed to
@@ -45,19 +47,18 @@ import os
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NewType
+from typing import Any
 
 import numpy as np
 
-from memory.errors import SpanCorrupt, SpanMissing, StoreError, StoreWriteError
+from memory.errors import MalformedSpan, SpanCorrupt, SpanMissing, StoreError, StoreWriteError
+from memory.records import PrefixHash, SpanKey, split_legacy_encoder_fp
 
 try:
     import xxhash
 except ImportError:  # pragma: no cover - exercised only where xxhash is absent
     xxhash = None
 
-SpanId = NewType("SpanId", str)
-PrefixHash = NewType("PrefixHash", str)
 
 FORMAT = "spotlight-span/1"
 SUFFIX = ".safetensors"
@@ -102,8 +103,7 @@ class SpanFile:
     token_ids: Any  # [T] int64
     key_codes: Any  # [L, Hkv, W, T] uint64, or None
     dtype: str
-    model_fp: str
-    encoder_fp: str
+    key: SpanKey
     start_pos: int
     n_tokens: int
     code_summary: Any = None  # [L, Hkv, 64 W] int32, or None (files written without it)
@@ -139,22 +139,22 @@ class WrittenFile:
 
 
 def prepare(tensors: SpanTensors) -> PreparedSpan:
-    """Check shapes and dtypes and convert to numpy; raises ValueError saying what to fix."""
+    """Check shapes and dtypes and convert to numpy; raises MalformedSpan saying what to fix."""
     k, k_dtype = _to_numpy(tensors.k)
     v, v_dtype = _to_numpy(tensors.v)
     if k_dtype not in KV_DTYPES:
-        raise ValueError(f"k must be float32, float16 or bfloat16, got {k_dtype}; cast it first")
+        raise MalformedSpan(f"k must be float32, float16 or bfloat16, got {k_dtype}; cast it first")
     if k.ndim != 4 or v.shape != k.shape or v_dtype != k_dtype:
-        raise ValueError(
+        raise MalformedSpan(
             f"k and v must both be [L, Hkv, T, D] with one dtype; got k {k.shape} {k_dtype}, "
             f"v {v.shape} {v_dtype}"
         )
     n_layers, n_kv_heads, n_tokens, _ = k.shape
     if n_tokens < 1:
-        raise ValueError("a span needs at least one token")
+        raise MalformedSpan("a span needs at least one token")
     token_ids, ids_dtype = _to_numpy(tensors.token_ids)
     if token_ids.shape != (n_tokens,) or not np.issubdtype(token_ids.dtype, np.integer):
-        raise ValueError(f"token_ids must be [T={n_tokens}] integers, got {token_ids.shape} {ids_dtype}")
+        raise MalformedSpan(f"token_ids must be [T={n_tokens}] integers, got {token_ids.shape} {ids_dtype}")
     arrays = {"token_ids": token_ids.astype("<i8", copy=False)}
     if tensors.key_codes is not None:
         codes, codes_dtype = _to_numpy(tensors.key_codes)
@@ -164,7 +164,7 @@ def prepare(tensors: SpanTensors) -> PreparedSpan:
             or codes.shape[:2] != (n_layers, n_kv_heads)
             or codes.shape[3] != n_tokens
         ):
-            raise ValueError(
+            raise MalformedSpan(
                 f"key_codes must be [L={n_layers}, Hkv={n_kv_heads}, W, T={n_tokens}] uint64, "
                 f"got {codes.shape} {codes_dtype}"
             )
@@ -174,7 +174,7 @@ def prepare(tensors: SpanTensors) -> PreparedSpan:
         if tensors.key_codes is None or summary_dtype != "int32" or summary.shape != (
             n_layers, n_kv_heads, arrays["key_codes"].shape[2] * 64
         ):
-            raise ValueError(
+            raise MalformedSpan(
                 f"code_summary must be [L={n_layers}, Hkv={n_kv_heads}, 64 W] int32 next to key_codes, "
                 f"got {summary.shape} {summary_dtype}"
             )
@@ -217,12 +217,13 @@ def header_bytes(prepared: PreparedSpan, metadata: dict[str, str]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def span_metadata(prepared: PreparedSpan, model_fp: str, encoder_fp: str, start_pos: int) -> dict[str, str]:
+def span_metadata(prepared: PreparedSpan, key: SpanKey, start_pos: int) -> dict[str, str]:
     """The metadata strings stored in every span file's header."""
     return {
         "format": FORMAT,
-        "model_fp": model_fp,
-        "encoder_fp": encoder_fp,
+        "model_fp": key.model_fp,
+        "encoder_fp": key.encoder_fp,
+        "prefix_digest": key.prefix_digest,
         "dtype": prepared.dtype,
         "start_pos": str(int(start_pos)),
         "n_tokens": str(prepared.n_tokens),
@@ -325,11 +326,16 @@ def _parse(mapped: mmap.mmap, size: int) -> SpanFile:
         key_codes=arrays.get("key_codes"),  # [L, Hkv, W, T] or None
         code_summary=arrays.get("code_summary"),  # [L, Hkv, 64 W] or None
         dtype=meta["dtype"],
-        model_fp=meta["model_fp"],
-        encoder_fp=meta["encoder_fp"],
+        key=_file_key(meta),
         start_pos=int(meta["start_pos"]),
         n_tokens=int(meta["n_tokens"]),
     )
+
+
+def _file_key(meta: dict[str, str]) -> SpanKey:
+    if "prefix_digest" in meta:
+        return SpanKey(meta["model_fp"], meta["encoder_fp"], meta["prefix_digest"])
+    return SpanKey(meta["model_fp"], *split_legacy_encoder_fp(meta["encoder_fp"]))  # before m003
 
 
 class _Crc32:

@@ -57,7 +57,7 @@ class SessionNotFound(NotFound):
     def __init__(self, session_id):
         super().__init__(
             f"no session with id {session_id!r}; it may have been deleted. "
-            "List the existing ones with Store.list_sessions()"
+            "List the existing ones with store.transcript.list_sessions()"
         )
         self.session_id = session_id
 
@@ -66,14 +66,14 @@ class MessageNotFound(NotFound):
     def __init__(self, message_id, session_id=None):
         where = f" in session {session_id!r}" if session_id else ""
         super().__init__(
-            f"no message with id {message_id!r}{where}; take ids from Store.active_path() or Store.path_to()"
+            f"no message with id {message_id!r}{where}; take ids from store.transcript.active_path() or path_to()"
         )
         self.message_id = message_id
 
 
 class DocumentNotFound(NotFound):
     def __init__(self, document_id):
-        super().__init__(f"no document with id {document_id!r}; add it with Store.add_document()")
+        super().__init__(f"no document with id {document_id!r}; add it with store.transcript.add_document()")
         self.document_id = document_id
 
 
@@ -86,13 +86,13 @@ class SpanNotFound(NotFound):
 class PrefixNotFound(NotFound):
     def __init__(self, prefix_hash):
         super().__init__(
-            f"no cached prefix {prefix_hash!r}; store its spans first with Store.put_prefix_span()"
+            f"no cached prefix {prefix_hash!r}; store its spans first with store.spans.put_prefix_span()"
         )
         self.prefix_hash = prefix_hash
 
 
 class SpanUnavailable(StoreError):
-    """A span row exists but its tensors cannot be used: recompute them and `refill_span()`."""
+    """A span row exists but its tensors cannot be used: recompute them and `store.spans.refill_span()`."""
 
     def __init__(self, span_id, message: str):
         super().__init__(message)
@@ -106,7 +106,7 @@ class SpanEvicted(SpanUnavailable):
         super().__init__(
             span_id,
             f"span {span_id} was evicted to stay within the disk budget; recompute it and "
-            "store it again with Store.refill_span()",
+            "store it again with store.spans.refill_span()",
         )
 
 
@@ -117,7 +117,7 @@ class SpanMissing(SpanUnavailable):
         super().__init__(
             span_id,
             f"span {span_id}: file {path} is missing (deleted outside Spotlight Chat?); "
-            "recompute it and store it again with Store.refill_span()",
+            "recompute it and store it again with store.spans.refill_span()",
         )
         self.path = path
 
@@ -129,7 +129,7 @@ class SpanCorrupt(SpanUnavailable):
         super().__init__(
             span_id,
             f"span {span_id}: file {path} is corrupt ({reason}); recompute it and store it "
-            "again with Store.refill_span()",
+            "again with store.spans.refill_span()",
         )
         self.path = path
         self.reason = reason
@@ -145,3 +145,20 @@ class FingerprintMismatch(StoreError):
         )
         self.span_id = span_id
         self.field = field
+
+
+class SpanSlotTaken(StoreError):
+    """The slot (prefix or message, ordinal, key) already holds a span: it is stored already."""
+
+    def __init__(self, owner: str, ordinal: int, span_id):
+        super().__init__(
+            f"{owner} already has span {span_id} at ordinal {ordinal}: that span is already "
+            "stored; read it, or replace its tensors with store.spans.refill_span()"
+        )
+        self.owner = owner
+        self.ordinal = ordinal
+        self.span_id = span_id
+
+
+class MalformedSpan(StoreError):
+    """Span tensors with a wrong shape or dtype, or that disagree with each other; nothing is stored."""

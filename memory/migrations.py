@@ -1,4 +1,4 @@
-"""The store's schema: an ordered list of migrations, and the records its rows become.
+"""The store's schema: an ordered list of migrations (the records its rows become: memory/records.py).
 
 `memory/store.py` registers these functions, in this order, in `Migrations("kvstore")`
 (sqlite-utils records each applied one in `_sqlite_migrations`) and keeps
@@ -25,26 +25,19 @@ JSON columns hold objects):
                       heading, n_tokens
     session_documents session_id, document_id, ordinal, added
     prefixes          hash (sha256 of token ids + fingerprints), model_fp, encoder_fp,
-                      n_tokens, complete, created
+                      prefix_digest (m003), n_tokens, complete, created
     session_prefixes  session_id, prefix_hash, linked: which sessions use a cached prefix
     spans             id, state ('ready' | 'evicted'), file (NULL unless ready), owner
                       ('prefix' | 'message'), prefix_hash | message_id (+ session_id),
-                      ordinal, segment_id, model_fp, encoder_fp, dtype, n_tokens,
-                      start_pos, tokens_sha256, bytes, checksum, created, last_used
+                      ordinal, segment_id, model_fp, encoder_fp, prefix_digest (m003),
+                      dtype, n_tokens, start_pos, tokens_sha256, bytes, checksum, created,
+                      last_used. A span's key (`records.SpanKey`) is model_fp + encoder_fp
+                      ("" for dense) + prefix_digest ("" when its K/V depend on no prefix).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import NewType
-
-from memory.blobs import PrefixHash, SpanId
-
-SessionId = NewType("SessionId", str)
-MessageId = NewType("MessageId", str)
-DocumentId = NewType("DocumentId", str)
-SegmentId = NewType("SegmentId", int)
+from memory.records import split_legacy_encoder_fp
 
 
 def m001_core_tables(db) -> None:
@@ -190,138 +183,23 @@ def m002_full_text_search(db) -> None:
     db["messages"].enable_fts(["content"], create_triggers=True)
 
 
-MIGRATIONS = [m001_core_tables, m002_full_text_search]
+def m003_span_key_columns(db) -> None:
+    """Spans and prefixes get an explicit prefix_digest column; the packed encoder_fp
+    "<enc or 'dense'>+prefix:<digest>" that chat wrote before becomes encoder_fp <enc>
+    ("" for dense) and prefix_digest <digest>. Message span slots become unique per
+    (message_id, ordinal, model_fp, encoder_fp, prefix_digest)."""
+    for table in ("spans", "prefixes"):
+        db[table].add_column("prefix_digest", str, not_null_default="")
+        key = "id" if table == "spans" else "hash"
+        rows = db.execute(f"SELECT {key}, encoder_fp FROM {table}").fetchall()
+        db.conn.executemany(
+            f"UPDATE {table} SET encoder_fp = ?, prefix_digest = ? WHERE {key} = ?",
+            [(*split_legacy_encoder_fp(encoder_fp), row_id) for row_id, encoder_fp in rows],
+        )
+    db.execute("DROP INDEX IF EXISTS idx_spans_message_id_model_fp_encoder_fp_ordinal")
+    db["spans"].create_index(
+        ["message_id", "ordinal", "model_fp", "encoder_fp", "prefix_digest"], unique=True
+    )
 
 
-# ----------------------------------------------------------------------------- row records
-
-
-@dataclass(slots=True)
-class SessionRecord:
-    id: SessionId
-    title: str
-    created: float
-    updated: float
-    system_prompt: str
-    settings: dict
-    active_leaf_id: MessageId | None
-
-
-@dataclass(slots=True)
-class MessageRecord:
-    id: MessageId
-    session_id: SessionId
-    parent_id: MessageId | None
-    role: str
-    content: str
-    created: float
-    n_tokens: int | None
-    metadata: dict
-
-
-@dataclass(slots=True)
-class DocumentRecord:
-    """A document snapshot (its text: `Store.document_text`)."""
-
-    id: DocumentId
-    name: str
-    sha256: str
-    n_chars: int
-    pages: int | None
-    n_tokens: int | None
-    metadata: dict
-    created: float
-
-
-@dataclass(slots=True)
-class SegmentSpec:
-    """A segment to store: characters [char_start, char_end) of its document's text."""
-
-    char_start: int
-    char_end: int
-    page: int | None = None
-    heading: str | None = None
-    n_tokens: int | None = None
-
-
-@dataclass(slots=True)
-class SegmentRecord:
-    id: SegmentId
-    document_id: DocumentId
-    ordinal: int
-    char_start: int
-    char_end: int
-    page: int | None
-    heading: str | None
-    n_tokens: int | None
-
-
-@dataclass(slots=True)
-class SpanRecord:
-    """One span's row. state 'ready' means its file exists; 'evicted' means recompute it."""
-
-    id: SpanId
-    state: str
-    file: str | None
-    owner: str  # 'prefix' | 'message'
-    prefix_hash: PrefixHash | None
-    message_id: MessageId | None
-    session_id: SessionId | None
-    ordinal: int
-    segment_id: SegmentId | None
-    model_fp: str
-    encoder_fp: str
-    dtype: str
-    n_tokens: int
-    start_pos: int
-    tokens_sha256: str
-    bytes: int
-    checksum: str | None
-    created: float
-    last_used: float
-
-    @property
-    def end_pos(self) -> int:
-        """One past the last token position this span covers."""
-        return self.start_pos + self.n_tokens
-
-
-@dataclass(slots=True)
-class PrefixRecord:
-    hash: PrefixHash
-    model_fp: str
-    encoder_fp: str
-    n_tokens: int | None
-    complete: bool
-    created: float
-    spans: list[SpanRecord]
-
-
-@dataclass(slots=True)
-class CacheSize:
-    """Disk used by one session's spans: its own, and prefixes it shares with other sessions."""
-
-    session_bytes: int
-    shared_bytes: int
-    ready_spans: int
-    evicted_spans: int
-
-
-def _load(row: dict, *json_columns: str) -> dict:
-    return {**row, **{column: json.loads(row[column]) for column in json_columns}}
-
-
-def session_record(row: dict) -> SessionRecord:
-    return SessionRecord(**_load(row, "settings"))
-
-
-def message_record(row: dict) -> MessageRecord:
-    return MessageRecord(**_load(row, "metadata"))
-
-
-def document_record(row: dict) -> DocumentRecord:
-    return DocumentRecord(**_load({key: value for key, value in row.items() if key != "text"}, "metadata"))
-
-
-def prefix_record(row: dict, spans: list[SpanRecord]) -> PrefixRecord:
-    return PrefixRecord(**{**row, "complete": bool(row["complete"])}, spans=spans)
+MIGRATIONS = [m001_core_tables, m002_full_text_search, m003_span_key_columns]

@@ -1,24 +1,21 @@
-"""The transcript half of the store: sessions, branch-aware messages, documents, export/import.
+"""The transcript part of the store: sessions, branch-aware messages, documents, export/import.
 
-`TranscriptStore` is a mixin of `memory.store.Store`: it owns no connection and reaches
-the database only through the store's `_read()` / `_write()` transactions, so the
-threading, process and crash-safety rules of memory/store.py apply unchanged. The
-transcript is the truth; spans (memory/spans.py) are a cache beside it.
-
-The row helpers at the bottom (`_get_session_row`, `_path`, ...) are shared with
-memory/spans.py.
+`Transcript` takes the store's `Connections` (memory/connections.py) and reaches the
+database only through its `read()` / `write()` transactions, so the threading,
+process and crash-safety rules of memory/connections.py and memory/store.py apply
+unchanged. The transcript is the truth; spans (memory/spans.py) are a cache beside it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from memory.errors import DocumentNotFound, MessageNotFound, SessionNotFound
-from memory.migrations import (
+from memory import rows
+from memory.connections import Connections
+from memory.records import (
     DocumentId,
     DocumentRecord,
     MessageId,
@@ -27,9 +24,6 @@ from memory.migrations import (
     SegmentSpec,
     SessionId,
     SessionRecord,
-    document_record,
-    message_record,
-    session_record,
 )
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -46,16 +40,15 @@ class _ActiveLeaf:
 ACTIVE_LEAF: Any = _ActiveLeaf()  # add_message's default parent: the session's active leaf
 
 
-def _new_id() -> str:
-    return uuid.uuid4().hex
-
-
 def _dumps(value: dict | None) -> str:
     return json.dumps(value or {}, sort_keys=True)
 
 
-class TranscriptStore:
-    """Sessions, messages, documents and their export (a mixin of `Store`)."""
+class Transcript:
+    """Sessions, messages, documents and their export (`store.transcript`)."""
+
+    def __init__(self, connections: Connections):
+        self._connections = connections
 
     # ------------------------------------------------------------------ sessions
 
@@ -63,9 +56,9 @@ class TranscriptStore:
         self, title: str = "New chat", system_prompt: str = "", settings: dict | None = None
     ) -> SessionRecord:
         """A new empty session."""
-        now = self._clock()
+        now = self._connections.clock()
         row = {
-            "id": _new_id(),
+            "id": rows.new_id(),
             "title": title,
             "created": now,
             "updated": now,
@@ -73,23 +66,23 @@ class TranscriptStore:
             "settings": _dumps(settings),
             "active_leaf_id": None,
         }
-        with self._write() as db:
+        with self._connections.write() as db:
             db["sessions"].insert(row)
-        return session_record(row)
+        return SessionRecord.from_row(row)
 
     def get_session(self, session_id: SessionId) -> SessionRecord:
         """The session, or `SessionNotFound`."""
-        with self._read() as db:
-            return session_record(_get_session_row(db, session_id))
+        with self._connections.read() as db:
+            return SessionRecord.from_row(rows.session_row(db, session_id))
 
     def list_sessions(self, limit: int | None = None, offset: int = 0) -> list[SessionRecord]:
         """Sessions, most recently updated first."""
-        with self._read() as db:
-            rows = db.query(
+        with self._connections.read() as db:
+            found = db.query(
                 "SELECT * FROM sessions ORDER BY updated DESC, rowid DESC LIMIT ? OFFSET ?",
                 [-1 if limit is None else limit, offset],
             )
-            return [session_record(row) for row in rows]
+            return [SessionRecord.from_row(row) for row in found]
 
     def update_session(
         self,
@@ -100,17 +93,17 @@ class TranscriptStore:
         settings: dict | None = None,
     ) -> SessionRecord:
         """Change the given fields (None keeps a field) and bump `updated`."""
-        changes: dict[str, Any] = {"updated": self._clock()}
+        changes: dict[str, Any] = {"updated": self._connections.clock()}
         if title is not None:
             changes["title"] = title
         if system_prompt is not None:
             changes["system_prompt"] = system_prompt
         if settings is not None:
             changes["settings"] = _dumps(settings)
-        with self._write() as db:
-            _get_session_row(db, session_id)
+        with self._connections.write() as db:
+            rows.session_row(db, session_id)
             db["sessions"].update(session_id, changes)
-            return session_record(_get_session_row(db, session_id))
+            return SessionRecord.from_row(rows.session_row(db, session_id))
 
     def search_sessions(self, query: str, limit: int = 50) -> list[SessionRecord]:
         """Sessions in which every word of `query` starts a word of the title or of some
@@ -130,16 +123,16 @@ class TranscriptStore:
             f"SELECT * FROM sessions WHERE id IN ({' INTERSECT '.join([one_term] * len(terms))}) "
             "ORDER BY updated DESC, rowid DESC LIMIT ?"
         )
-        with self._read() as db:
+        with self._connections.read() as db:
             params = [term for term in terms for _ in range(2)] + [limit]
-            return [session_record(row) for row in db.query(sql, params)]
+            return [SessionRecord.from_row(row) for row in db.query(sql, params)]
 
     def delete_session(self, session_id: SessionId) -> None:
         """Delete the session, its messages, its spans and files, its prefixes and documents
         that no other session uses."""
-        with self._write() as db:
-            _get_session_row(db, session_id)
-            exclusive = _exclusive_prefixes(db, session_id)
+        with self._connections.write() as db:
+            rows.session_row(db, session_id)
+            exclusive = rows.exclusive_prefixes(db, session_id)
             files = _span_files(db, session_id, exclusive)
             marks = ",".join("?" * len(exclusive))
             db.execute(
@@ -158,7 +151,7 @@ class TranscriptStore:
             _delete_unused_documents(db, documents)
             db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
-        self._unlink(files)
+        self._connections.unlink(files)
 
     # ------------------------------------------------------------------ messages
 
@@ -176,11 +169,11 @@ class TranscriptStore:
         and make it the session's active leaf. Committed before it returns."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
-        with self._write() as db:
-            session = _get_session_row(db, session_id)
+        with self._connections.write() as db:
+            session = rows.session_row(db, session_id)
             parent = session["active_leaf_id"] if parent_id is ACTIVE_LEAF else parent_id
             if parent is not None:
-                _get_message_row(db, parent, session_id)
+                rows.message_row(db, parent, session_id)
             return self._insert_message(db, session_id, parent, role, content, n_tokens, metadata)
 
     def add_sibling(
@@ -193,16 +186,16 @@ class TranscriptStore:
     ) -> MessageRecord:
         """Edit (user) or regenerate (assistant): a new message with the same parent and role
         as `message_id`, which becomes the active leaf. The old branch is kept unchanged."""
-        with self._write() as db:
-            old = _get_message_row(db, message_id)
+        with self._connections.write() as db:
+            old = rows.message_row(db, message_id)
             return self._insert_message(
                 db, old["session_id"], old["parent_id"], old["role"], content, n_tokens, metadata
             )
 
     def _insert_message(self, db, session_id, parent_id, role, content, n_tokens, metadata) -> MessageRecord:
-        now = self._clock()
+        now = self._connections.clock()
         row = {
-            "id": _new_id(),
+            "id": rows.new_id(),
             "session_id": session_id,
             "parent_id": parent_id,
             "role": role,
@@ -213,54 +206,48 @@ class TranscriptStore:
         }
         db["messages"].insert(row)
         db["sessions"].update(session_id, {"active_leaf_id": row["id"], "updated": now})
-        return message_record(row)
+        return MessageRecord.from_row(row)
 
     def get_message(self, message_id: MessageId) -> MessageRecord:
         """The message, or `MessageNotFound`."""
-        with self._read() as db:
-            return message_record(_get_message_row(db, message_id))
+        with self._connections.read() as db:
+            return MessageRecord.from_row(rows.message_row(db, message_id))
 
     def set_message_metadata(self, message_id: MessageId, metadata: dict) -> MessageRecord:
         """Merge `metadata` into the message's metadata (content is never changed)."""
-        with self._write() as db:
-            row = _get_message_row(db, message_id)
+        with self._connections.write() as db:
+            row = rows.message_row(db, message_id)
             merged = {**json.loads(row["metadata"]), **metadata}
             db["messages"].update(message_id, {"metadata": _dumps(merged)})
-            return message_record({**row, "metadata": _dumps(merged)})
+            return MessageRecord.from_row({**row, "metadata": _dumps(merged)})
 
     def path_to(self, message_id: MessageId) -> list[MessageRecord]:
         """Messages from the root down to `message_id`, inclusive."""
-        with self._read() as db:
-            _get_message_row(db, message_id)
-            return _path(db, message_id)
+        with self._connections.read() as db:
+            rows.message_row(db, message_id)
+            return rows.message_path(db, message_id)
 
     def active_path(self, session_id: SessionId) -> list[MessageRecord]:
         """The conversation as shown: root to the session's active leaf ([] when empty)."""
-        with self._read() as db:
-            leaf = _get_session_row(db, session_id)["active_leaf_id"]
-            return _path(db, leaf) if leaf else []
-
-    def children(self, session_id: SessionId, parent_id: MessageId | None) -> list[MessageRecord]:
-        """Direct replies to `parent_id` (None: the session's roots), oldest first."""
-        with self._read() as db:
-            _get_session_row(db, session_id)
-            return _children(db, session_id, parent_id)
+        with self._connections.read() as db:
+            leaf = rows.session_row(db, session_id)["active_leaf_id"]
+            return rows.message_path(db, leaf) if leaf else []
 
     def siblings(self, message_id: MessageId) -> list[MessageRecord]:
         """The alternatives at `message_id`'s place (itself included), oldest first."""
-        with self._read() as db:
-            row = _get_message_row(db, message_id)
+        with self._connections.read() as db:
+            row = rows.message_row(db, message_id)
             return _children(db, row["session_id"], row["parent_id"])
 
     def switch_branch(self, message_id: MessageId) -> list[MessageRecord]:
         """Make the newest leaf below `message_id` the active leaf; returns the new active path."""
-        with self._write() as db:
-            row = _get_message_row(db, message_id)
+        with self._connections.write() as db:
+            row = rows.message_row(db, message_id)
             leaf = message_id
             while replies := _children(db, row["session_id"], leaf):
                 leaf = replies[-1].id
-            db["sessions"].update(row["session_id"], {"active_leaf_id": leaf, "updated": self._clock()})
-            return _path(db, leaf)
+            db["sessions"].update(row["session_id"], {"active_leaf_id": leaf, "updated": self._connections.clock()})
+            return rows.message_path(db, leaf)
 
     # ------------------------------------------------------------------ documents
 
@@ -283,13 +270,13 @@ class TranscriptStore:
         specs = [spec if isinstance(spec, SegmentSpec) else SegmentSpec(**spec) for spec in segments]
         _check_segments(specs, len(text))
         digest = hashlib.sha256(text.encode()).hexdigest()
-        with self._write() as db:
+        with self._connections.write() as db:
             if session_id is not None:
-                _get_session_row(db, session_id)
+                rows.session_row(db, session_id)
             row = next(db["documents"].rows_where("sha256 = ?", [digest]), None)
             if row is None:
                 row = {
-                    "id": _new_id(),
+                    "id": rows.new_id(),
                     "name": name,
                     "sha256": digest,
                     "text": text,
@@ -297,7 +284,7 @@ class TranscriptStore:
                     "pages": pages,
                     "n_tokens": n_tokens,
                     "metadata": _dumps(metadata),
-                    "created": self._clock(),
+                    "created": self._connections.clock(),
                 }
                 db["documents"].insert(row)
             if (
@@ -310,14 +297,7 @@ class TranscriptStore:
                 )
             if session_id is not None:
                 self._attach(db, session_id, row["id"])
-            return document_record(row)
-
-    def attach_document(self, session_id: SessionId, document_id: DocumentId) -> None:
-        """Make the document part of the session (idempotent; order of first attachment)."""
-        with self._write() as db:
-            _get_session_row(db, session_id)
-            _get_document_row(db, document_id)
-            self._attach(db, session_id, document_id)
+            return DocumentRecord.from_row(row)
 
     def _attach(self, db, session_id, document_id) -> None:
         ordinal = db.execute(
@@ -326,21 +306,21 @@ class TranscriptStore:
         db.execute(
             "INSERT OR IGNORE INTO session_documents (session_id, document_id, ordinal, added) "
             "VALUES (?, ?, ?, ?)",
-            [session_id, document_id, ordinal, self._clock()],
+            [session_id, document_id, ordinal, self._connections.clock()],
         )
 
     def get_document(self, document_id: DocumentId) -> DocumentRecord:
-        with self._read() as db:
-            return document_record(_get_document_row(db, document_id))
+        with self._connections.read() as db:
+            return DocumentRecord.from_row(rows.document_row(db, document_id))
 
     def document_text(self, document_id: DocumentId) -> str:
-        with self._read() as db:
-            return _get_document_row(db, document_id)["text"]
+        with self._connections.read() as db:
+            return rows.document_row(db, document_id)["text"]
 
     def segments(self, document_id: DocumentId) -> list[SegmentRecord]:
         """The document's segments in order."""
-        with self._read() as db:
-            _get_document_row(db, document_id)
+        with self._connections.read() as db:
+            rows.document_row(db, document_id)
             return [
                 SegmentRecord(**row)
                 for row in db["segments"].rows_where("document_id = ?", [document_id], order_by="ordinal")
@@ -348,10 +328,10 @@ class TranscriptStore:
 
     def session_documents(self, session_id: SessionId) -> list[DocumentRecord]:
         """Documents attached to the session, in attachment order."""
-        with self._read() as db:
-            _get_session_row(db, session_id)
+        with self._connections.read() as db:
+            rows.session_row(db, session_id)
             return [
-                document_record(row)
+                DocumentRecord.from_row(row)
                 for row in db.query(
                     "SELECT documents.* FROM session_documents JOIN documents ON documents.id = document_id "
                     "WHERE session_id = ? ORDER BY ordinal",
@@ -365,10 +345,10 @@ class TranscriptStore:
         """The session as plain JSON data: session fields, every message of every branch
         (parents referenced by list index), and its documents with text and segments.
         Spans are a cache and are not exported. Contains no database ids."""
-        with self._read() as db:
-            session = session_record(_get_session_row(db, session_id))
+        with self._connections.read() as db:
+            session = SessionRecord.from_row(rows.session_row(db, session_id))
             messages = [
-                message_record(row)
+                MessageRecord.from_row(row)
                 for row in db["messages"].rows_where("session_id = ?", [session_id], order_by="rowid")
             ]
             documents = [
@@ -423,9 +403,9 @@ class TranscriptStore:
         """Create a new session from `export_session` data (new ids, same content and times);
         documents already stored (same sha256) are reused. All or nothing."""
         _check_export(data)
-        session_id = SessionId(_new_id())
+        session_id = SessionId(rows.new_id())
         header = data["session"]
-        with self._write() as db:
+        with self._connections.write() as db:
             db["sessions"].insert(
                 {
                     "id": session_id,
@@ -437,7 +417,7 @@ class TranscriptStore:
                     "active_leaf_id": None,
                 }
             )
-            ids = [MessageId(_new_id()) for _ in data["messages"]]
+            ids = [MessageId(rows.new_id()) for _ in data["messages"]]
             db["messages"].insert_all(
                 {
                     "id": ids[i],
@@ -462,7 +442,7 @@ class TranscriptStore:
         if row is None:
             row = {key: document[key] for key in ("name", "sha256", "text", "pages", "n_tokens", "created")}
             row |= {
-                "id": _new_id(),
+                "id": rows.new_id(),
                 "n_chars": len(document["text"]),
                 "metadata": _dumps(document["metadata"]),
             }
@@ -477,62 +457,10 @@ class TranscriptStore:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _one(db, sql: str, params: list) -> dict | None:
-    return next(iter(list(db.query(sql, params))), None)
-
-
-def _get_session_row(db, session_id) -> dict:
-    row = _one(db, "SELECT * FROM sessions WHERE id = ?", [session_id])
-    if row is None:
-        raise SessionNotFound(session_id)
-    return row
-
-
-def _get_message_row(db, message_id, session_id=None) -> dict:
-    row = _one(db, "SELECT * FROM messages WHERE id = ?", [message_id])
-    if row is None or (session_id is not None and row["session_id"] != session_id):
-        raise MessageNotFound(message_id, session_id)
-    return row
-
-
-def _get_document_row(db, document_id) -> dict:
-    row = _one(db, "SELECT * FROM documents WHERE id = ?", [document_id])
-    if row is None:
-        raise DocumentNotFound(document_id)
-    return row
-
-
-_PATH_SQL = """
-WITH RECURSIVE path(id, parent_id, depth) AS (
-    SELECT id, parent_id, 0 FROM messages WHERE id = ?
-    UNION ALL
-    SELECT messages.id, messages.parent_id, path.depth + 1
-    FROM messages JOIN path ON messages.id = path.parent_id
-)
-SELECT messages.* FROM path JOIN messages ON messages.id = path.id ORDER BY path.depth DESC
-"""
-
-
-def _path(db, leaf_id) -> list[MessageRecord]:
-    return [message_record(row) for row in db.query(_PATH_SQL, [leaf_id])]
-
-
 def _children(db, session_id, parent_id) -> list[MessageRecord]:
     where, params = ("parent_id = ?", [parent_id]) if parent_id else ("parent_id IS NULL", [])
-    rows = db["messages"].rows_where(f"session_id = ? AND {where}", [session_id, *params], order_by="rowid")
-    return [message_record(row) for row in rows]
-
-
-def _exclusive_prefixes(db, session_id) -> list[str]:
-    """Prefixes linked to this session and to no other."""
-    return [
-        row[0]
-        for row in db.execute(
-            "SELECT prefix_hash FROM session_prefixes WHERE session_id = ? AND prefix_hash NOT IN "
-            "(SELECT prefix_hash FROM session_prefixes WHERE session_id != ?)",
-            [session_id, session_id],
-        )
-    ]
+    found = db["messages"].rows_where(f"session_id = ? AND {where}", [session_id, *params], order_by="rowid")
+    return [MessageRecord.from_row(row) for row in found]
 
 
 def _span_files(db, session_id, prefixes: list[str]) -> list[str]:

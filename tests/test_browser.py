@@ -200,8 +200,8 @@ def test_sessions_sidebar_and_two_hundred_messages(page, fake_app, shots, capsys
     parent = None
     for index in range(200):
         role = "user" if index % 2 == 0 else "assistant"
-        parent = service.store.add_message(long_one.id, role, f"message {index}: " + "lorem ipsum " * 12,
-                                           parent_id=parent.id if parent else None)
+        parent = service.store.transcript.add_message(long_one.id, role, f"message {index}: " + "lorem ipsum " * 12,
+                                                      parent_id=parent.id if parent else None)
     for title in ("Lisbon trip", "Quarterly report", "Reading list"):
         service.rename(service.create().id, title)
     open_app(page, url)

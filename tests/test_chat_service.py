@@ -413,7 +413,7 @@ def test_full_disk_commits_nothing_half(config, monkeypatch):
     assert any("Could not save this conversation's cache" in n and "No space left" in n for n in turn.notices)
     assert len(service.history(session.id)) == 4  # the transcript is committed
     monkeypatch.undo()
-    service.store._db.conn.execute("PRAGMA max_page_count = 1")  # the database cannot grow either
+    service.store.connections._db.conn.execute("PRAGMA max_page_count = 1")  # the database cannot grow either
     with pytest.raises(SaveFailed, match="Nothing was committed"):
         next(service.send(session.id, "x" * 100_000))
     assert service.history(session.id)[:2] == before and len(service.history(session.id)) == 4

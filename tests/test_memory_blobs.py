@@ -9,7 +9,10 @@ from safetensors import safe_open
 
 from memory import blobs
 from memory.blobs import SpanTensors
-from memory.errors import SpanCorrupt, SpanMissing, StoreWriteError
+from memory.errors import MalformedSpan, SpanCorrupt, SpanMissing, StoreWriteError
+from memory.records import SpanKey
+
+KEY = SpanKey("model-fp", "encoder-fp", "0123456789abcdef")
 
 L, HKV, T, D, W = 2, 3, 5, 4, 2  # tiny shapes: layers, KV heads, tokens, head dim, code words
 
@@ -25,7 +28,7 @@ def make_tensors(dtype=np.float32, words=W, seed=0, n_tokens=T) -> SpanTensors:
 
 def write(tmp_path, tensors, name="s.safetensors", start_pos=7):
     prepared = blobs.prepare(tensors)
-    meta = blobs.span_metadata(prepared, "model-fp", "encoder-fp", start_pos)
+    meta = blobs.span_metadata(prepared, KEY, start_pos)
     return blobs.write_span_file(tmp_path, name, prepared, meta)
 
 
@@ -47,13 +50,7 @@ def test_numpy_round_trip_is_exact(tmp_path, dtype):
         np.uint64,
         np.int64,
     )
-    assert (span.dtype, span.model_fp, span.encoder_fp, span.start_pos, span.n_tokens) == (
-        np.dtype(dtype).name,
-        "model-fp",
-        "encoder-fp",
-        7,
-        T,
-    )
+    assert (span.dtype, span.key, span.start_pos, span.n_tokens) == (np.dtype(dtype).name, KEY, 7, T)
     assert written.checksum.startswith(f"{blobs.CHECKSUM_ALGO}:")  # xxh3_128 when xxhash is installed
     assert written.bytes == (tmp_path / written.name).stat().st_size
 
@@ -79,6 +76,7 @@ def test_file_is_standard_safetensors(tmp_path):
             "format": "spotlight-span/1",
             "model_fp": "model-fp",
             "encoder_fp": "encoder-fp",
+            "prefix_digest": "0123456789abcdef",
             "dtype": "float16",
             "start_pos": "7",
             "n_tokens": "5",
@@ -195,7 +193,7 @@ def test_prepare_rejects_bad_shapes(change, message):
     tensors = make_tensors()
     for field, value in change.items():
         setattr(tensors, field, value)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(MalformedSpan, match=message):
         blobs.prepare(tensors)
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from memory import (
     CacheSize,
     DocumentRecord,
     FingerprintMismatch,
+    MalformedSpan,
     MessageNotFound,
     MessageRecord,
     PrefixNotFound,
@@ -29,11 +31,14 @@ from memory import (
     SessionRecord,
     SpanCorrupt,
     SpanEvicted,
+    SpanKey,
     SpanMissing,
+    SpanSlotTaken,
     SpanTensors,
     SpanUnavailable,
     Store,
     StoreCorrupt,
+    StoreError,
     StoreLocked,
     StoreWriteError,
     blobs,
@@ -46,6 +51,7 @@ from memory.config import StoreConfig
 
 REPO = Path(__file__).resolve().parents[1]
 FP = dict(model_fp="smollm2-135m@abc", encoder_fp="enc@def")
+KEY = SpanKey(FP["model_fp"], FP["encoder_fp"], "00112233aabbccdd")
 
 
 @pytest.fixture
@@ -74,11 +80,11 @@ def tensors(n_tokens: int, first_token: int = 0, seed: int = 0) -> SpanTensors:
 
 def conversation(store, title="Trip planning"):
     """u1 -> a1 -> u2 -> a2, all on one branch."""
-    session = store.create_session(title, system_prompt="Be brief.")
-    u1 = store.add_message(session.id, "user", "Where should I go in May?")
-    a1 = store.add_message(session.id, "assistant", "Lisbon is lovely in May.")
-    u2 = store.add_message(session.id, "user", "And for food?")
-    a2 = store.add_message(session.id, "assistant", "Try pastel de nata.")
+    session = store.transcript.create_session(title, system_prompt="Be brief.")
+    u1 = store.transcript.add_message(session.id, "user", "Where should I go in May?")
+    a1 = store.transcript.add_message(session.id, "assistant", "Lisbon is lovely in May.")
+    u2 = store.transcript.add_message(session.id, "user", "And for food?")
+    a2 = store.transcript.add_message(session.id, "assistant", "Try pastel de nata.")
     return session, [u1, a1, u2, a2]
 
 
@@ -90,8 +96,9 @@ def test_migrations_apply_in_order_and_are_recorded(store, config):
     assert conn.execute("SELECT migration_set, name FROM _sqlite_migrations ORDER BY id").fetchall() == [
         ("kvstore", "m001_core_tables"),
         ("kvstore", "m002_full_text_search"),
+        ("kvstore", "m003_span_key_columns"),
     ]
-    assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+    assert conn.execute("PRAGMA user_version").fetchone() == (3,)
     assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -112,8 +119,13 @@ def test_pending_migration_runs_on_open_and_indexes_old_rows(config, clock):
     )
     db.close()
     with Store(config, clock=clock) as store:
-        assert [session.id for session in store.search_sessions("budget")] == ["old"]
-        assert [m.name for m in KVSTORE.applied(store._db)] == ["m001_core_tables", "m002_full_text_search"]
+        assert [session.id for session in store.transcript.search_sessions("budget")] == ["old"]
+    conn = sqlite3.connect(config.db_path)
+    assert conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id").fetchall() == [
+        ("m001_core_tables",),
+        ("m002_full_text_search",),
+        ("m003_span_key_columns",),
+    ]
 
 
 def _snapshot(root: Path) -> dict:
@@ -127,14 +139,14 @@ def test_newer_schema_is_refused_and_left_untouched(config, clock, future):
     if future == "migration":
         conn.execute(
             "INSERT INTO _sqlite_migrations (migration_set, name, applied_at) "
-            "VALUES ('kvstore', 'm003_from_the_future', 'later')"
+            "VALUES ('kvstore', 'm004_from_the_future', 'later')"
         )
-    conn.execute("PRAGMA user_version = 3")
+    conn.execute("PRAGMA user_version = 4")
     conn.commit()
     conn.close()
     (config.spans_dir / ".leftover.safetensors.tmp").write_bytes(b"partial")
     before = _snapshot(config.root)
-    with pytest.raises(SchemaTooNew, match="has schema version 3 .* knows only 2; upgrade Spotlight Chat"):
+    with pytest.raises(SchemaTooNew, match="has schema version 4 .* knows only 3; upgrade Spotlight Chat"):
         Store(config, clock=clock)
     assert _snapshot(config.root) == before
 
@@ -150,7 +162,7 @@ def test_garbage_database_is_store_corrupt(config):
 
 
 def test_session_crud(store):
-    session = store.create_session("First", system_prompt="Be kind.", settings={"temperature": 0.2})
+    session = store.transcript.create_session("First", system_prompt="Be kind.", settings={"temperature": 0.2})
     assert session == SessionRecord(
         id=session.id,
         title="First",
@@ -160,10 +172,10 @@ def test_session_crud(store):
         settings={"temperature": 0.2},
         active_leaf_id=None,
     )
-    second = store.create_session("Second")
-    assert store.get_session(session.id) == session
-    assert [s.title for s in store.list_sessions()] == ["Second", "First"]
-    renamed = store.update_session(session.id, title="Renamed", settings={"temperature": 0.7})
+    second = store.transcript.create_session("Second")
+    assert store.transcript.get_session(session.id) == session
+    assert [s.title for s in store.transcript.list_sessions()] == ["Second", "First"]
+    renamed = store.transcript.update_session(session.id, title="Renamed", settings={"temperature": 0.7})
     assert renamed == SessionRecord(
         id=session.id,
         title="Renamed",
@@ -173,33 +185,33 @@ def test_session_crud(store):
         settings={"temperature": 0.7},
         active_leaf_id=None,
     )
-    assert [s.title for s in store.list_sessions(limit=1)] == ["Renamed"]
-    assert [s.title for s in store.list_sessions(limit=5, offset=1)] == ["Second"]
-    store.delete_session(second.id)
-    assert store.list_sessions() == [renamed]
+    assert [s.title for s in store.transcript.list_sessions(limit=1)] == ["Renamed"]
+    assert [s.title for s in store.transcript.list_sessions(limit=5, offset=1)] == ["Second"]
+    store.transcript.delete_session(second.id)
+    assert store.transcript.list_sessions() == [renamed]
 
 
 def test_unknown_session_is_named_and_helpful(store):
-    with pytest.raises(SessionNotFound, match="no session with id 'nope'.*Store.list_sessions"):
-        store.get_session("nope")
+    with pytest.raises(SessionNotFound, match="no session with id 'nope'.*store.transcript.list_sessions"):
+        store.transcript.get_session("nope")
     with pytest.raises(SessionNotFound):
-        store.add_message("nope", "user", "hi")
+        store.transcript.add_message("nope", "user", "hi")
     with pytest.raises(SessionNotFound):
-        store.delete_session("nope")
+        store.transcript.delete_session("nope")
 
 
 def test_search_sessions_over_titles_and_messages(store):
     trip, _ = conversation(store, "Trip planning")
-    other = store.create_session("Tax return")
-    store.add_message(other.id, "user", "Which receipts do I keep?")
-    assert store.search_sessions("lisbon") == [store.get_session(trip.id)]
-    assert [s.id for s in store.search_sessions("tax")] == [other.id]
-    assert [s.id for s in store.search_sessions("recei")] == [other.id]  # word prefixes match
-    assert [s.id for s in store.search_sessions("May trip")] == [trip.id]  # every word must match
-    assert store.search_sessions('NOT "unbalanced (*') == []  # FTS syntax is inert
-    assert store.search_sessions("   ") == []
-    store.delete_session(trip.id)
-    assert store.search_sessions("lisbon") == []
+    other = store.transcript.create_session("Tax return")
+    store.transcript.add_message(other.id, "user", "Which receipts do I keep?")
+    assert store.transcript.search_sessions("lisbon") == [store.transcript.get_session(trip.id)]
+    assert [s.id for s in store.transcript.search_sessions("tax")] == [other.id]
+    assert [s.id for s in store.transcript.search_sessions("recei")] == [other.id]  # word prefixes match
+    assert [s.id for s in store.transcript.search_sessions("May trip")] == [trip.id]  # every word must match
+    assert store.transcript.search_sessions('NOT "unbalanced (*') == []  # FTS syntax is inert
+    assert store.transcript.search_sessions("   ") == []
+    store.transcript.delete_session(trip.id)
+    assert store.transcript.search_sessions("lisbon") == []
 
 
 # ----------------------------------------------------------------------------- messages and branches
@@ -217,14 +229,14 @@ def test_messages_form_a_chain(store):
         n_tokens=None,
         metadata={},
     )
-    assert store.active_path(session.id) == [u1, a1, u2, a2]
-    assert store.get_session(session.id).active_leaf_id == a2.id
-    assert store.children(session.id, None) == [u1]
+    assert store.transcript.active_path(session.id) == [u1, a1, u2, a2]
+    assert store.transcript.get_session(session.id).active_leaf_id == a2.id
+    assert store.transcript.siblings(u1.id) == [u1]  # the only root
 
 
 def test_edit_and_regenerate_create_siblings_and_keep_old_branches(store):
     session, (u1, a1, u2, a2) = conversation(store)
-    regenerated = store.add_sibling(a2.id, "Try bacalhau.", n_tokens=4, metadata={"seed": 2})
+    regenerated = store.transcript.add_sibling(a2.id, "Try bacalhau.", n_tokens=4, metadata={"seed": 2})
     assert regenerated == MessageRecord(
         id=regenerated.id,
         session_id=session.id,
@@ -235,38 +247,38 @@ def test_edit_and_regenerate_create_siblings_and_keep_old_branches(store):
         n_tokens=4,
         metadata={"seed": 2},
     )
-    assert store.active_path(session.id) == [u1, a1, u2, regenerated]
-    edited = store.add_sibling(u2.id, "And for museums?")
-    reply = store.add_message(session.id, "assistant", "The Gulbenkian.")
-    assert store.active_path(session.id) == [u1, a1, edited, reply]
-    assert store.siblings(u2.id) == [u2, edited]
-    assert store.siblings(a2.id) == [a2, regenerated]
-    assert store.path_to(a2.id) == [u1, a1, u2, a2]  # nothing was overwritten
-    assert store.switch_branch(u2.id) == [u1, a1, u2, regenerated]  # newest leaf below u2
-    assert store.get_session(session.id).active_leaf_id == regenerated.id
-    assert store.switch_branch(a2.id) == [u1, a1, u2, a2]
+    assert store.transcript.active_path(session.id) == [u1, a1, u2, regenerated]
+    edited = store.transcript.add_sibling(u2.id, "And for museums?")
+    reply = store.transcript.add_message(session.id, "assistant", "The Gulbenkian.")
+    assert store.transcript.active_path(session.id) == [u1, a1, edited, reply]
+    assert store.transcript.siblings(u2.id) == [u2, edited]
+    assert store.transcript.siblings(a2.id) == [a2, regenerated]
+    assert store.transcript.path_to(a2.id) == [u1, a1, u2, a2]  # nothing was overwritten
+    assert store.transcript.switch_branch(u2.id) == [u1, a1, u2, regenerated]  # newest leaf below u2
+    assert store.transcript.get_session(session.id).active_leaf_id == regenerated.id
+    assert store.transcript.switch_branch(a2.id) == [u1, a1, u2, a2]
 
 
 def test_message_errors(store):
     session, (u1, *_) = conversation(store)
-    other = store.create_session("Other")
+    other = store.transcript.create_session("Other")
     with pytest.raises(MessageNotFound, match="in session"):
-        store.add_message(other.id, "user", "hi", parent_id=u1.id)
+        store.transcript.add_message(other.id, "user", "hi", parent_id=u1.id)
     with pytest.raises(ValueError, match="role must be one of"):
-        store.add_message(session.id, "robot", "beep")
+        store.transcript.add_message(session.id, "robot", "beep")
     with pytest.raises(MessageNotFound):
-        store.add_sibling("missing", "x")
-    root = store.add_message(session.id, "user", "New topic", parent_id=None)
-    assert store.active_path(session.id) == [root]
+        store.transcript.add_sibling("missing", "x")
+    root = store.transcript.add_message(session.id, "user", "New topic", parent_id=None)
+    assert store.transcript.active_path(session.id) == [root]
 
 
 def test_message_metadata_merges_and_content_stays(store):
     session, (u1, *_) = conversation(store)
-    store.set_message_metadata(u1.id, {"liked": True})
-    updated = store.set_message_metadata(u1.id, {"tokens_per_s": 12.5})
+    store.transcript.set_message_metadata(u1.id, {"liked": True})
+    updated = store.transcript.set_message_metadata(u1.id, {"tokens_per_s": 12.5})
     assert (
         updated
-        == store.get_message(u1.id)
+        == store.transcript.get_message(u1.id)
         == MessageRecord(
             id=u1.id,
             session_id=session.id,
@@ -284,13 +296,13 @@ def test_message_metadata_merges_and_content_stays(store):
 
 
 def test_documents_and_segments(store):
-    session = store.create_session("Reading")
+    session = store.transcript.create_session("Reading")
     text = "# Intro\nHello.\n# Body\nWorld."
     specs = [
         SegmentSpec(0, 15, page=1, heading="Intro", n_tokens=4),
         {"char_start": 15, "char_end": len(text), "page": 2, "heading": "Body"},
     ]
-    document = store.add_document(
+    document = store.transcript.add_document(
         "notes.md",
         text,
         segments=specs,
@@ -309,8 +321,8 @@ def test_documents_and_segments(store):
         metadata={"reader": "md"},
         created=1001.0,
     )
-    assert store.document_text(document.id) == text
-    first, second = store.segments(document.id)
+    assert store.transcript.document_text(document.id) == text
+    first, second = store.transcript.segments(document.id)
     assert [first, second] == [
         SegmentRecord(
             id=first.id,
@@ -333,12 +345,12 @@ def test_documents_and_segments(store):
             n_tokens=None,
         ),
     ]
-    other = store.create_session("Again")
-    again = store.add_document("copy.md", text, session_id=other.id)  # same content: same document
+    other = store.transcript.create_session("Again")
+    again = store.transcript.add_document("copy.md", text, session_id=other.id)  # same content: same document
     assert again == document
-    assert store.session_documents(other.id) == [document]
+    assert store.transcript.session_documents(other.id) == [document]
     with pytest.raises(ValueError, match="segments must be in order"):
-        store.add_document("bad.txt", "abc", segments=[SegmentSpec(0, 5)])
+        store.transcript.add_document("bad.txt", "abc", segments=[SegmentSpec(0, 5)])
 
 
 # ----------------------------------------------------------------------------- spans
@@ -347,62 +359,175 @@ def test_documents_and_segments(store):
 def test_message_span_round_trip_with_fingerprints(store):
     session, (u1, *_) = conversation(store)
     data = tensors(6, seed=3)
-    record = store.put_message_span(u1.id, 0, data, start_pos=0, **FP)
+    record = store.spans.put_message_span(u1.id, 0, data, KEY, start_pos=0)
     assert (
         record.state,
         record.owner,
         record.session_id,
         record.message_id,
-        record.model_fp,
-        record.encoder_fp,
+        record.key,
         record.dtype,
         record.n_tokens,
         record.start_pos,
-    ) == ("ready", "message", session.id, u1.id, FP["model_fp"], FP["encoder_fp"], "float32", 6, 0)
-    assert store.get_span(record.id) == record
-    span = store.read_span(record.id, **FP)
+    ) == ("ready", "message", session.id, u1.id, KEY, "float32", 6, 0)
+    assert store.spans.get_span(record.id) == record
+    span = store.spans.read_span(record.id, KEY)
     np.testing.assert_array_equal(span.k, data.k)
     np.testing.assert_array_equal(span.v, data.v)
     np.testing.assert_array_equal(span.key_codes, data.key_codes)
-    assert (span.model_fp, span.encoder_fp, span.start_pos, span.token_ids.tolist()) == (
-        FP["model_fp"],
-        FP["encoder_fp"],
-        0,
-        [0, 1, 2, 3, 4, 5],
-    )
+    assert (span.key, span.start_pos, span.token_ids.tolist()) == (KEY, 0, [0, 1, 2, 3, 4, 5])
     with pytest.raises(FingerprintMismatch, match="model fingerprint 'smollm2-135m@abc'.*'other'"):
-        store.read_span(record.id, model_fp="other")
+        store.spans.read_span(record.id, replace(KEY, model_fp="other"))
     with pytest.raises(FingerprintMismatch, match="encoder fingerprint"):
-        store.read_span(record.id, encoder_fp="untrained")
-    with pytest.raises(ValueError, match="already has span"):
-        store.put_message_span(u1.id, 0, data, start_pos=0, **FP)
+        store.spans.read_span(record.id, replace(KEY, encoder_fp="untrained"))
+    with pytest.raises(FingerprintMismatch, match="prefix digest '00112233aabbccdd'.*'ffffffffffffffff'"):
+        store.spans.read_span(record.id, replace(KEY, prefix_digest="f" * 16))
 
 
 def test_prefix_and_session_chain(store):
     session, (u1, a1, u2, a2) = conversation(store)
     ids = np.arange(10)
     key = prefix_hash(ids, **FP)
-    first = store.put_prefix_span(key, 0, tensors(4), start_pos=0, session_id=session.id, **FP)
-    second = store.put_prefix_span(key, 1, tensors(6, first_token=4), start_pos=4, **FP)
-    prefix = store.complete_prefix(key, 10)
+    first = store.spans.put_prefix_span(key, 0, tensors(4), KEY, start_pos=0, session_id=session.id)
+    second = store.spans.put_prefix_span(key, 1, tensors(6, first_token=4), KEY, start_pos=4)
+    prefix = store.spans.complete_prefix(key, 10)
     assert (prefix.hash, prefix.complete, prefix.n_tokens, prefix.spans) == (key, True, 10, [first, second])
-    assert store.find_prefix(key) == prefix
-    assert store.find_prefix(prefix_hash(ids[:5], **FP)) is None
-    turn1 = store.put_message_span(u1.id, 0, tensors(3), start_pos=10, **FP)
-    turn2 = store.put_message_span(a1.id, 0, tensors(2), start_pos=13, **FP)
-    gap = store.put_message_span(a2.id, 0, tensors(2), start_pos=99, **FP)  # not where a1 ended: cut
-    store.put_message_span(u1.id, 0, tensors(3), start_pos=10, model_fp="other-model", encoder_fp="enc")
-    assert store.session_chain(session.id, **FP) == [first, second, turn1, turn2]
+    assert store.spans.find_prefix(key) == prefix
+    assert store.spans.find_prefix(prefix_hash(ids[:5], **FP)) is None
+    turn1 = store.spans.put_message_span(u1.id, 0, tensors(3), KEY, start_pos=10)
+    turn2 = store.spans.put_message_span(a1.id, 0, tensors(2), KEY, start_pos=13)
+    gap = store.spans.put_message_span(a2.id, 0, tensors(2), KEY, start_pos=99)  # not where a1 ended: cut
+    other = SpanKey("other-model", "enc", "")
+    store.spans.put_message_span(u1.id, 0, tensors(3), other, start_pos=10)
+    assert store.spans.session_chain(session.id, KEY) == [first, second, turn1, turn2]
     assert gap.state == "ready"
-    assert store.session_chain(session.id, model_fp="other-model", encoder_fp="enc") == []
+    assert store.spans.session_chain(session.id, other) == []
     with pytest.raises(PrefixNotFound):
-        store.complete_prefix(prefix_hash([1], **FP), 1)
+        store.spans.complete_prefix(prefix_hash([1], **FP), 1)
+
+
+def test_span_key_is_checked():
+    assert SpanKey("m", "", "") == SpanKey("m", "", "")
+    with pytest.raises(ValueError, match="16 lowercase hex digits"):
+        SpanKey("m", "", "not-a-digest")
+    with pytest.raises(ValueError, match="must name the model"):
+        SpanKey("", "enc", "")
+
+
+def test_message_slot_is_per_key_and_a_taken_slot_is_named(store, config):
+    """Issue #18: a taken slot raises SpanSlotTaken (not ValueError) and leaves the store as it was."""
+    session, (u1, *_) = conversation(store)
+    first = store.spans.put_message_span(u1.id, 0, tensors(3), KEY, start_pos=0)
+    other_prefix = replace(KEY, prefix_digest="ffffffffffffffff")
+    second = store.spans.put_message_span(u1.id, 0, tensors(3), other_prefix, start_pos=0)
+    with pytest.raises(SpanSlotTaken, match=f"message {u1.id} already has span {first.id} at ordinal 0: "
+                       "that span is already stored") as taken:
+        store.spans.put_message_span(u1.id, 0, tensors(3, seed=1), KEY, start_pos=0)
+    assert (taken.value.span_id, taken.value.ordinal, isinstance(taken.value, StoreError)) == (first.id, 0, True)
+    ids = np.arange(3)
+    prefix = prefix_hash(ids, **FP)
+    held = store.spans.put_prefix_span(prefix, 0, tensors(3), KEY, start_pos=0)
+    with pytest.raises(SpanSlotTaken, match=f"prefix {prefix} already has span {held.id}"):
+        store.spans.put_prefix_span(prefix, 0, tensors(3), KEY, start_pos=0)
+    assert store.spans.session_chain(session.id, KEY, prefix_hash=None) == [first]
+    assert store.spans.session_chain(session.id, other_prefix) == [second]
+    store.close()
+    report = verify(config.root)
+    assert (report["ok"], report["spans_ready"], report["files_present"], report["orphan_files"]) == (
+        True, 3, 3, []
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda t: replace(t, k=t.k.astype(np.float64), v=t.v.astype(np.float64)),  # dtype
+        lambda t: replace(t, v=t.v[:, :, :2]),  # k and v disagree
+        lambda t: replace(t, token_ids=t.token_ids[:2]),  # token count disagrees
+    ],
+    ids=["dtype", "k-v-shapes", "token-count"],
+)
+def test_malformed_span_is_named_and_stores_nothing(store, config, bad):
+    """Issue #18: wrong shapes or dtypes raise MalformedSpan from put and refill, nothing is written."""
+    session, (u1, a1, *_) = conversation(store)
+    good = store.spans.put_message_span(u1.id, 0, tensors(4), KEY, start_pos=0)
+    with pytest.raises(MalformedSpan):
+        store.spans.put_message_span(a1.id, 0, bad(tensors(4)), KEY, start_pos=4)
+    with pytest.raises(MalformedSpan):
+        store.spans.refill_span(good.id, bad(tensors(4)), KEY)
+    assert store.spans.get_span(good.id) == good
+    assert store.spans.session_chain(session.id, KEY) == [good]
+    store.close()
+    report = verify(config.root)
+    assert (report["ok"], report["spans_ready"], report["files_present"], report["temp_files"]) == (True, 1, 1, [])
+
+
+def test_prefix_span_stores_its_document_segment(store):
+    session = store.transcript.create_session()
+    document = store.transcript.add_document(
+        "a.txt", "one two", segments=[SegmentSpec(0, 3), SegmentSpec(3, 7)], session_id=session.id
+    )
+    segment = store.transcript.segments(document.id)[1]
+    prefix = prefix_hash([1, 2], **FP)
+    record = store.spans.put_prefix_span(prefix, 0, tensors(2), KEY, start_pos=0, segment_id=segment.id)
+    assert (record.segment_id, store.spans.get_span(record.id)) == (segment.id, record)
+
+
+def _old_span(db, spans_dir, span_id, owner, n_tokens, start_pos, encoder_fp, **columns):
+    """A span file and row written as the code before m003 did (the prefix digest packed into encoder_fp)."""
+    data = tensors(n_tokens, first_token=start_pos)
+    prepared = blobs.prepare(data)
+    meta = {"format": blobs.FORMAT, "model_fp": FP["model_fp"], "encoder_fp": encoder_fp,
+            "dtype": "float32", "start_pos": str(start_pos), "n_tokens": str(n_tokens)}
+    written = blobs.write_span_file(spans_dir, f"{span_id}.0{blobs.SUFFIX}", prepared, meta)
+    row = {"id": span_id, "state": "ready", "file": written.name, "owner": owner, "prefix_hash": None,
+           "message_id": None, "session_id": None, "ordinal": 0, "segment_id": None, "model_fp": FP["model_fp"],
+           "encoder_fp": encoder_fp, "dtype": "float32", "n_tokens": n_tokens, "start_pos": start_pos,
+           "tokens_sha256": blobs.tokens_sha256(data.token_ids), "bytes": written.bytes,
+           "checksum": written.checksum, "created": 1.0, "last_used": 1.0}
+    db["spans"].insert({**row, **columns})
+    return data
+
+
+def test_store_from_before_m003_finds_its_spans_by_the_new_key(config, clock):
+    """Issue #18: an old store (migrations 1-2, packed encoder_fp) opens, and its spans are found by SpanKey."""
+    digest = "0123456789abcdef"
+    packed = f"enc@def+prefix:{digest}"
+    config.spans_dir.mkdir(parents=True)
+    db = sqlite_utils.Database(config.db_path)
+    KVSTORE.apply(db, stop_before="m003_span_key_columns")
+    db["sessions"].insert({"id": "s", "title": "Old", "created": 1.0, "updated": 1.0, "system_prompt": "",
+                           "settings": "{}", "active_leaf_id": "u"})
+    db["messages"].insert({"id": "u", "session_id": "s", "parent_id": None, "role": "user", "content": "hi",
+                           "created": 1.0, "n_tokens": 2, "metadata": "{}"})
+    old_hash = prefix_hash(np.arange(4), FP["model_fp"], packed)  # how chat hashed prefixes then
+    db["prefixes"].insert({"hash": old_hash, "model_fp": FP["model_fp"], "encoder_fp": packed, "n_tokens": 4,
+                           "complete": 1, "created": 1.0})
+    db["session_prefixes"].insert({"session_id": "s", "prefix_hash": old_hash, "linked": 1.0})
+    prefix_data = _old_span(db, config.spans_dir, "p0", "prefix", 4, 0, packed, prefix_hash=old_hash)
+    _old_span(db, config.spans_dir, "m0", "message", 2, 4, packed, message_id="u", session_id="s")
+    _old_span(db, config.spans_dir, "m1", "message", 2, 4, f"dense+prefix:{digest}", message_id="u",
+              session_id="s")
+    db.execute("PRAGMA user_version = 2")
+    db.close()
+    key, dense = SpanKey(FP["model_fp"], "enc@def", digest), SpanKey(FP["model_fp"], "", digest)
+    with Store(config, clock=clock) as store:
+        chain = store.spans.session_chain("s", key)
+        assert [(span.id, span.key) for span in chain] == [("p0", key), ("m0", key)]
+        assert store.spans.get_span("m1").key == dense
+        assert store.spans.session_chain("s", dense) == []  # no dense prefix stored: nothing starts at 0
+        assert store.spans.find_prefix(old_hash).key == key
+        read = store.spans.read_span("p0", key)  # the file's header still holds the packed form
+        assert (read.key, read.token_ids.tolist()) == (key, prefix_data.token_ids.tolist())
+        with pytest.raises(SpanSlotTaken):
+            store.spans.put_message_span("u", 0, tensors(2), key, start_pos=4)
+    assert verify(config.root)["ok"]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_damaged_span_files_raise_named_errors_and_refill_repairs(store, config, damage):
     session, (u1, *_) = conversation(store)
-    record = store.put_message_span(u1.id, 0, tensors(5), start_pos=0, **FP)
+    record = store.spans.put_message_span(u1.id, 0, tensors(5), KEY, start_pos=0)
     path = config.spans_dir / record.file
     if damage == "flip":
         data = bytearray(path.read_bytes())
@@ -414,17 +539,17 @@ def test_damaged_span_files_raise_named_errors_and_refill_repairs(store, config,
         path.unlink()
     expected = SpanMissing if damage == "delete" else SpanCorrupt
     with pytest.raises(expected):
-        store.read_span(record.id)
+        store.spans.read_span(record.id, KEY)
     store.close()
     assert not verify(config.root)["ok"]
     assert list(verify(config.root)["span_errors"]) == [record.id]
     with Store(config) as reopened:
         with pytest.raises(ValueError, match="other tokens"):
-            reopened.refill_span(record.id, tensors(5, first_token=1), **FP)
+            reopened.spans.refill_span(record.id, tensors(5, first_token=1), KEY)
         with pytest.raises(FingerprintMismatch):
-            reopened.refill_span(record.id, tensors(5), model_fp="other", encoder_fp=FP["encoder_fp"])
-        refilled = reopened.refill_span(record.id, tensors(5), **FP)
-        np.testing.assert_array_equal(reopened.read_span(record.id).k, tensors(5).k)
+            reopened.spans.refill_span(record.id, tensors(5), replace(KEY, model_fp="other"))
+        refilled = reopened.spans.refill_span(record.id, tensors(5), KEY)
+        np.testing.assert_array_equal(reopened.spans.read_span(record.id, KEY).k, tensors(5).k)
         assert refilled.file != record.file
     assert verify(config.root)["ok"]
 
@@ -467,55 +592,55 @@ def test_lru_eviction_keeps_budget_respects_pins_and_reports_evicted(config, clo
         session, messages = conversation(store)
         session_id = session.id
         for position, message in enumerate(messages[:3]):
-            spans.append(store.put_message_span(message.id, 0, tensors(8), start_pos=8 * position, **FP))
+            spans.append(store.spans.put_message_span(message.id, 0, tensors(8), KEY, start_pos=8 * position))
         size = spans[0].bytes
     # Reopen with room for two spans: the oldest goes on open.
     config = StoreConfig(root=config.root, disk_budget_bytes=2 * size + size // 2)
     with Store(config, clock=clock) as store:
-        assert [s.state for s in store.session_chain(session_id, **FP)] == ["evicted", "ready", "ready"]
+        assert [s.state for s in store.spans.session_chain(session_id, KEY)] == ["evicted", "ready", "ready"]
         with pytest.raises(SpanEvicted, match="evicted to stay within the disk budget"):
-            store.read_span(spans[0].id)
+            store.spans.read_span(spans[0].id, KEY)
         assert not (config.spans_dir / spans[0].file).exists()
-        store.read_span(spans[1].id)  # now spans[2] is the least recently used
-        with store.pin([spans[2].id]):
-            fourth = store.put_message_span(messages[3].id, 0, tensors(8), start_pos=24, **FP)
-            assert [store.get_span(s.id).state for s in spans[1:]] + [fourth.state] == [
+        store.spans.read_span(spans[1].id, KEY)  # now spans[2] is the least recently used
+        with store.spans.pin([spans[2].id]):
+            fourth = store.spans.put_message_span(messages[3].id, 0, tensors(8), KEY, start_pos=24)
+            assert [store.spans.get_span(s.id).state for s in spans[1:]] + [fourth.state] == [
                 "evicted",
                 "ready",
                 "ready",
             ]
         assert store.disk_usage() == spans[2].bytes + fourth.bytes <= config.disk_budget_bytes
-        assert store.evict_to_budget(0) == [spans[2].id, fourth.id]
+        assert store.spans.evict_to_budget(0) == [spans[2].id, fourth.id]
         assert store.disk_usage() == 0
         assert sorted(os.listdir(config.spans_dir)) == []
         with pytest.raises(SpanUnavailable):
-            store.read_span(fourth.id)
-        refilled = store.refill_span(spans[0].id, tensors(8), **FP)
+            store.spans.read_span(fourth.id, KEY)
+        refilled = store.spans.refill_span(spans[0].id, tensors(8), KEY)
         assert refilled.state == "ready" and store.disk_usage() == size
 
 
 def test_session_cache_size_and_drop(store):
     session, (u1, a1, *_) = conversation(store)
-    other = store.create_session("Other")
+    other = store.transcript.create_session("Other")
     shared_key, own_key = prefix_hash([1, 2], **FP), prefix_hash([3, 4], **FP)
-    shared = store.put_prefix_span(shared_key, 0, tensors(4), start_pos=0, session_id=session.id, **FP)
-    store.link_prefix(other.id, shared_key)
-    own = store.put_prefix_span(own_key, 0, tensors(4), start_pos=0, session_id=session.id, **FP)
-    turn = store.put_message_span(u1.id, 0, tensors(2), start_pos=4, **FP)
-    assert store.session_cache_size(session.id) == CacheSize(
+    shared = store.spans.put_prefix_span(shared_key, 0, tensors(4), KEY, start_pos=0, session_id=session.id)
+    store.spans.link_prefix(other.id, shared_key)
+    own = store.spans.put_prefix_span(own_key, 0, tensors(4), KEY, start_pos=0, session_id=session.id)
+    turn = store.spans.put_message_span(u1.id, 0, tensors(2), KEY, start_pos=4)
+    assert store.spans.session_cache_size(session.id) == CacheSize(
         session_bytes=own.bytes + turn.bytes, shared_bytes=shared.bytes, ready_spans=3, evicted_spans=0
     )
-    with store.pin([turn.id]):
-        assert store.drop_session_cache(session.id) == [own.id]
-    assert store.drop_session_cache(session.id) == [turn.id]
-    assert store.session_cache_size(session.id) == CacheSize(
+    with store.spans.pin([turn.id]):
+        assert store.spans.drop_session_cache(session.id) == [own.id]
+    assert store.spans.drop_session_cache(session.id) == [turn.id]
+    assert store.spans.session_cache_size(session.id) == CacheSize(
         session_bytes=0, shared_bytes=shared.bytes, ready_spans=1, evicted_spans=2
     )
-    assert store.get_span(shared.id).state == "ready"
-    assert store.active_path(session.id)[0] == u1  # the transcript is untouched
-    store.delete_session(session.id)
+    assert store.spans.get_span(shared.id).state == "ready"
+    assert store.transcript.active_path(session.id)[0] == u1  # the transcript is untouched
+    store.transcript.delete_session(session.id)
     assert store.disk_usage() == shared.bytes  # still used by the other session
-    store.delete_session(other.id)
+    store.transcript.delete_session(other.id)
     assert store.disk_usage() == 0 and os.listdir(store.config.spans_dir) == []
 
 
@@ -531,7 +656,7 @@ def test_unusable_data_directory_is_a_clear_error(tmp_path):
 def test_leftover_files_are_removed_on_open(config, clock):
     with Store(config, clock=clock) as store:
         session, (u1, *_) = conversation(store)
-        live = store.put_message_span(u1.id, 0, tensors(3), start_pos=0, **FP)
+        live = store.spans.put_message_span(u1.id, 0, tensors(3), KEY, start_pos=0)
     (config.spans_dir / ".abc.safetensors.tmp").write_bytes(b"half a span")
     (config.spans_dir / "abc.1234.safetensors").write_bytes(b"a span whose row never committed")
     report = verify(config.root)
@@ -543,7 +668,7 @@ def test_leftover_files_are_removed_on_open(config, clock):
     with Store(config, clock=clock) as store:
         assert store.recovered == {"temp_files": 1, "orphan_files": 1}
         assert os.listdir(config.spans_dir) == [live.file]
-        assert store.read_span(live.id).n_tokens == 3
+        assert store.spans.read_span(live.id, KEY).n_tokens == 3
 
 
 def test_failed_span_file_write_commits_nothing(store, monkeypatch):
@@ -554,25 +679,25 @@ def test_failed_span_file_write_commits_nothing(store, monkeypatch):
 
     monkeypatch.setattr(blobs, "_write_all", disk_full)
     with pytest.raises(StoreWriteError, match="No space left on device"):
-        store.put_message_span(u1.id, 0, tensors(4), start_pos=0, **FP)
-    assert store.session_chain(session.id, **FP) == []
+        store.spans.put_message_span(u1.id, 0, tensors(4), KEY, start_pos=0)
+    assert store.spans.session_chain(session.id, KEY) == []
     assert os.listdir(store.config.spans_dir) == []
 
 
 def test_full_database_commits_nothing_half(store):
     session, (u1, a1, u2, a2) = conversation(store)
-    store._db.conn.execute("PRAGMA max_page_count = 1")  # every page-allocating write now fails: SQLITE_FULL
+    store.connections._db.conn.execute("PRAGMA max_page_count = 1")  # every page-allocating write now fails: SQLITE_FULL
     with pytest.raises(StoreWriteError, match="database or disk is full.*Nothing was committed"):
-        store.add_message(session.id, "user", "x" * 100_000)
+        store.transcript.add_message(session.id, "user", "x" * 100_000)
     # A span row is small enough to fit a free slot: make its commit grow the file too.
-    store._db.conn.execute(
+    store.connections._db.conn.execute(
         "CREATE TEMP TRIGGER grow AFTER INSERT ON main.spans BEGIN "
         "UPDATE sessions SET system_prompt = printf('%.*c', 100000, 'x'); END"
     )
     with pytest.raises(StoreWriteError):
-        store.put_message_span(u1.id, 0, tensors(64), start_pos=0, **FP)
-    assert store.active_path(session.id) == [u1, a1, u2, a2]
-    assert store.get_session(session.id).active_leaf_id == a2.id
+        store.spans.put_message_span(u1.id, 0, tensors(64), KEY, start_pos=0)
+    assert store.transcript.active_path(session.id) == [u1, a1, u2, a2]
+    assert store.transcript.get_session(session.id).active_leaf_id == a2.id
     assert os.listdir(store.config.spans_dir) == []  # the span file written before the commit was removed
     store.close()
     assert verify(store.config.root)["ok"]
@@ -581,16 +706,16 @@ def test_full_database_commits_nothing_half(store):
 _CRASH_CHILD = """
 import sys, numpy as np
 from pathlib import Path
-from memory import Store, SpanTensors
+from memory import Store, SpanKey, SpanTensors
 from memory.config import StoreConfig
 store = Store(StoreConfig(root=Path(sys.argv[1])))
-session = store.create_session("crash")
+session = store.transcript.create_session("crash")
 print("ready", flush=True)
 for i in range(100000):
-    message = store.add_message(session.id, "user", f"message {i}")
+    message = store.transcript.add_message(session.id, "user", f"message {i}")
     k = np.full((2, 2, 256, 64), i, np.float32)
     tensors = SpanTensors(k, k, np.arange(256))
-    store.put_message_span(message.id, 0, tensors, model_fp="m", encoder_fp="e", start_pos=0)
+    store.spans.put_message_span(message.id, 0, tensors, SpanKey("m", "e", ""), start_pos=0)
 """
 
 
@@ -605,8 +730,8 @@ def test_kill_9_during_writes_leaves_a_consistent_store(config):
     report = verify(config.root)
     assert (report["ok"], report["integrity_check"], report["span_errors"]) == (True, "ok", {})
     with Store(config) as store:
-        (session,) = store.list_sessions()
-        path = store.active_path(session.id)
+        (session,) = store.transcript.list_sessions()
+        path = store.transcript.active_path(session.id)
         assert [m.content for m in path] == [f"message {i}" for i in range(len(path))]
         assert len(path) > 0
     assert verify(config.root)["temp_files"] == []
@@ -616,15 +741,15 @@ def test_kill_9_during_writes_leaves_a_consistent_store(config):
 
 
 def test_threads_read_consistent_snapshots_while_writes_commit(store):
-    session = store.create_session("Busy")
+    session = store.transcript.create_session("Busy")
     n_writes, errors, done = 60, [], threading.Event()
 
     def writer():
         try:
             for i in range(n_writes):
-                message = store.add_message(session.id, "user", str(i))
+                message = store.transcript.add_message(session.id, "user", str(i))
                 if i % 10 == 0:
-                    store.put_message_span(message.id, 0, tensors(4), start_pos=0, **FP)
+                    store.spans.put_message_span(message.id, 0, tensors(4), KEY, start_pos=0)
         except Exception as error:  # pragma: no cover - reported below
             errors.append(error)
         finally:
@@ -633,13 +758,13 @@ def test_threads_read_consistent_snapshots_while_writes_commit(store):
     def reader():
         try:
             while not done.is_set():
-                path = store.active_path(session.id)
+                path = store.transcript.active_path(session.id)
                 assert [m.content for m in path] == [str(i) for i in range(len(path))]
                 assert all(
                     child.parent_id == parent.id for parent, child in zip(path, path[1:], strict=False)
                 )
-                for span in store.session_chain(session.id, **FP):
-                    store.read_span(span.id)
+                for span in store.spans.session_chain(session.id, KEY):
+                    store.spans.read_span(span.id, KEY)
         except Exception as error:
             errors.append(error)
 
@@ -649,20 +774,20 @@ def test_threads_read_consistent_snapshots_while_writes_commit(store):
     for thread in threads:
         thread.join()
     assert errors == []
-    assert len(store.active_path(session.id)) == n_writes
-    assert len(store._readers) >= 3  # one connection per reading thread
+    assert len(store.transcript.active_path(session.id)) == n_writes
+    assert len(store.connections._readers) >= 3  # one connection per reading thread
 
 
 def test_reads_see_committed_state_and_are_not_blocked_by_an_open_write(store):
-    session = store.create_session("Original")
+    session = store.transcript.create_session("Original")
     seen = []
-    with store._write() as db:  # a write transaction in progress on this thread
+    with store.connections.write() as db:  # a write transaction in progress on this thread
         db["sessions"].update(session.id, {"title": "Uncommitted"})
-        reader = threading.Thread(target=lambda: seen.append(store.get_session(session.id).title))
+        reader = threading.Thread(target=lambda: seen.append(store.transcript.get_session(session.id).title))
         reader.start()
         reader.join(timeout=10)
     assert seen == ["Original"]
-    assert store.get_session(session.id).title == "Uncommitted"
+    assert store.transcript.get_session(session.id).title == "Uncommitted"
 
 
 _SECOND_PROCESS = """
@@ -703,17 +828,17 @@ def test_second_process_gets_store_locked(store, config):
 
 def test_export_import_round_trip(store, tmp_path, clock):
     session, (u1, a1, u2, a2) = conversation(store)
-    store.add_sibling(a1.id, "Porto, maybe.", metadata={"seed": 7})
+    store.transcript.add_sibling(a1.id, "Porto, maybe.", metadata={"seed": 7})
     text = "Lisbon guide.\nEat well."
-    store.add_document(
+    store.transcript.add_document(
         "guide.txt",
         text,
         segments=[SegmentSpec(0, 13, page=1), SegmentSpec(14, len(text))],
         pages=1,
         session_id=session.id,
     )
-    store.put_message_span(u1.id, 0, tensors(3), start_pos=0, **FP)  # spans are not exported
-    exported = store.export_session(session.id)
+    store.spans.put_message_span(u1.id, 0, tensors(3), KEY, start_pos=0)  # spans are not exported
+    exported = store.transcript.export_session(session.id)
     assert json.loads(json.dumps(exported)) == exported  # plain JSON
     assert exported["session"] == {
         "title": "Trip planning",
@@ -730,16 +855,16 @@ def test_export_import_round_trip(store, tmp_path, clock):
         (2, "assistant", "Try pastel de nata."),
         (0, "assistant", "Porto, maybe."),
     ]
-    copy = store.import_session(exported)
+    copy = store.transcript.import_session(exported)
     assert copy != session.id
-    assert store.export_session(copy) == exported
-    assert store.session_chain(copy, **FP) == []
+    assert store.transcript.export_session(copy) == exported
+    assert store.spans.session_chain(copy, KEY) == []
     with Store(StoreConfig(root=tmp_path / "elsewhere"), clock=clock) as fresh:
-        assert fresh.export_session(fresh.import_session(exported)) == exported
+        assert fresh.transcript.export_session(fresh.transcript.import_session(exported)) == exported
     with pytest.raises(ValueError, match="not a Spotlight Chat session export"):
-        store.import_session({"format": "something else"})
+        store.transcript.import_session({"format": "something else"})
     broken = json.loads(json.dumps(exported))
     broken["documents"][0]["text"] += "!"
     with pytest.raises(ValueError, match="does not match its sha256"):
-        store.import_session(broken)
-    assert len(store.list_sessions()) == 2  # the failed imports left nothing
+        store.transcript.import_session(broken)
+    assert len(store.transcript.list_sessions()) == 2  # the failed imports left nothing

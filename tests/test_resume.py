@@ -131,8 +131,8 @@ def test_stored_chain_is_exactly_the_rendered_conversation(tiny, tmp_path):
     full = Renderer(tiny).full(conversation(service, session_id))
     key = service._pool.get(session_id)
     assert key.tokens == full
-    spans = service.store.session_chain(session_id, **_fps(service, session_id))
-    stored = [t for span in spans for t in service.store.read_span(span.id).token_ids.tolist()]
+    spans = service.store.spans.session_chain(session_id, _span_key(service, session_id))
+    stored = [t for span in spans for t in service.store.spans.read_span(span.id, span.key).token_ids.tolist()]
     assert stored == full
     assert [span.owner for span in spans] == ["prefix"] + ["message"] * 4
     service.close()
@@ -144,7 +144,7 @@ def test_a_damaged_span_file_is_detected_and_recomputed(tiny, tmp_path, damage):
     session_id, _ = chat(first, "first question", "second question")
     ids = Renderer(tiny).prompt(conversation(first, session_id, ("user", "third")))
     reference = next_logits(tiny, first._pool.get(session_id), ids)
-    chain = first.store.session_chain(session_id, **_fps(first, session_id))
+    chain = first.store.spans.session_chain(session_id, _span_key(first, session_id))
     victim = chain[2]  # the first reply's span, in the middle of the chain
     path = first.store.config.spans_dir / victim.file
     first.close()
@@ -259,7 +259,7 @@ def test_each_document_segment_is_a_span_and_the_cache_segments_survive_a_restar
     prefix_len = Renderer(engine).prefix_len(conv, full)
     ends = segment_ends(engine, [LONG_DOCUMENT], full[:prefix_len])
     chain = [(span.start_pos, span.end_pos)
-             for span in first.store.session_chain(session_id, **_fps(first, session_id))]
+             for span in first.store.spans.session_chain(session_id, _span_key(first, session_id))]
     edges = [0, *ends[:-1], prefix_len]
     assert len(ends) > 5
     assert chain[: len(ends)] == list(zip(edges, edges[1:]))  # one prefix span per document segment
@@ -322,11 +322,11 @@ def test_kill_9_during_ingestion_and_generation_loses_nothing(tmp_path):
     assert results[-1].sessions >= 1 and results[-1].committed >= 0
 
 
-def _fps(service, session_id):
+def _span_key(service, session_id):
     """The span fingerprints the service uses for this conversation."""
     from chat.kv import CacheKey
 
     renderer = Renderer(service.engine)
     conv = conversation(service, session_id)
     full = renderer.full(conv)
-    return CacheKey.for_engine(service.engine, full[: renderer.prefix_len(conv, full)]).fps
+    return CacheKey.for_engine(service.engine, full[: renderer.prefix_len(conv, full)]).span_key
