@@ -296,6 +296,21 @@ class SpanIndex:
                 ]
         return _contiguous(spans)
 
+    def session_keys(self, session_id: SessionId) -> list[SpanKey]:
+        """The distinct keys the session's spans (its messages' and its linked prefixes') are
+        stored under, oldest first: what tells a caller the cache was computed by another
+        model or encoder."""
+        with self._connections.read() as db:
+            rows.session_row(db, session_id)
+            found = db.execute(
+                "SELECT model_fp, encoder_fp, prefix_digest, MIN(created) AS first FROM spans "
+                "WHERE message_id IN (SELECT id FROM messages WHERE session_id = ?) "
+                "OR prefix_hash IN (SELECT prefix_hash FROM session_prefixes WHERE session_id = ?) "
+                "GROUP BY model_fp, encoder_fp, prefix_digest ORDER BY first",
+                [session_id, session_id],
+            ).fetchall()
+        return [SpanKey(model_fp, encoder_fp, digest) for model_fp, encoder_fp, digest, _ in found]
+
     def read_span(self, span_id: SpanId, key: SpanKey, *, verify: bool = True) -> SpanFile:
         """Map the span's file and return its tensors (zero-copy numpy views).
 
