@@ -126,12 +126,8 @@ def segment_ends(engine, texts: Sequence[str], prefix_ids: Sequence[int]) -> lis
 
 def token_offsets(engine, text: str):
     """(token ids of `text`, char position -> how many of those tokens start before it)."""
-    tokenizer = engine.tokenizer
-    if getattr(tokenizer, "is_fast", False):  # Hugging Face fast tokenizers give offsets in one pass
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        starts = [start for start, _ in encoded["offset_mapping"]]
-        return list(encoded["input_ids"]), lambda char: bisect.bisect_left(starts, char)
-    return engine.encode(text), lambda char: len(engine.encode(text[:char]))  # exact for byte tokenizers
+    ids, starts = engine.token_offsets(text)  # one tokenizer pass
+    return ids, lambda char: bisect.bisect_left(starts, char)
 
 
 def _find(needle: Sequence[int], haystack: Sequence[int], start: int) -> int | None:

@@ -25,7 +25,7 @@ copies the tensors of those not stored yet out of the Context (under the engine 
 `write()` stores them (outside it). Long parts are split into spans of `SPAN_TOKENS`.
 
 Segments (DESIGN.md §6). Every span is one segment of the KV cache's segment table
-(`cache.segments`, spotlight/twolevel.py), the unit two-level retrieval picks first. The
+(`Context.mark_span`, spotlight/twolevel.py), the unit two-level retrieval picks first. The
 prefix is cut where a document segment ends (`prefix_layout`, chat/documents.py
 `segment_ends`), so each document segment is its own span, with its own code table and
 the summary of its codes (`code_summary`, stored in the span file); each message is its
@@ -44,13 +44,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 import memory
 from memory import MessageId, PrefixHash, SessionId, SpanRecord, SpanTensors, Store
-from spotlight.generate import Context, prefill
-from spotlight.twolevel import code_summary
+from spotlight import Context, KVRows
+from spotlight.generate import prefill
 
 from .documents import segment_ends
 
@@ -143,22 +142,10 @@ def prefix_layout(prefix_len: int, segment_ends: list[int]) -> list[tuple[int, i
 
 
 def span_tensors(context: Context, start: int, end: int) -> SpanTensors:
-    """Copies of rows [start, end) of the cache: k, v (L, Hkv, T, D), codes (L, Hkv, W, T), and
-    the codes' summary (L, Hkv, B) when they are in host memory."""
-    cache = context.cache
-    assert end <= cache.length, f"span [{start}, {end}) beyond the cache's {cache.length} tokens"
-    codes = summary = None
-    if cache.codes is not None:
-        codes = cache.codes[..., start:end]  # (L, Hkv, W, T)
-        codes = codes.copy() if hasattr(codes, "copy") else codes.clone()
-        summary = code_summary(codes) if isinstance(codes, np.ndarray) else None  # (L, Hkv, B)
-    return SpanTensors(
-        k=cache.k[:, :, start:end].clone(),  # (L, Hkv, T, D)
-        v=cache.v[:, :, start:end].clone(),  # (L, Hkv, T, D)
-        token_ids=torch.tensor(context.tokens[start:end], dtype=torch.long),  # (T,)
-        key_codes=codes,
-        code_summary=summary,
-    )
+    """Copies of rows [start, end) of the context (`Context.rows`) as the store takes them."""
+    rows = context.rows(start, end)
+    return SpanTensors(k=rows.k, v=rows.v, token_ids=torch.tensor(rows.token_ids, dtype=torch.long),  # (T,)
+                       key_codes=rows.key_codes, code_summary=rows.code_summary)
 
 
 class SpanCache:
@@ -216,9 +203,8 @@ class SpanCache:
                 reason = "fingerprint"
         if data is not None and data.token_ids.tolist() == expected:
             _load(context, data, len(expected))
-            context.tokens.extend(expected)
             summary = data.code_summary.numpy() if data.code_summary is not None else None  # (L, Hkv, B)
-            context.cache.segments.cover(span.start_pos, span.end_pos, summary)
+            context.mark_span(span.start_pos, span.end_pos, summary)
             report.restored += len(expected)
             return True
         return self._recompute(context, span, expected, key, report, reason or "corrupt", cancel)
@@ -238,7 +224,6 @@ class SpanCache:
             report.stopped_at = span.start_pos + n
         if n and span.dtype == self.dtype_name:
             _load(context, data, n)
-            context.tokens.extend(expected[:n])
             report.restored += n
 
     def _recompute(self, context, span, expected, key, report: Restored, reason: str, cancel) -> bool:
@@ -248,7 +233,7 @@ class SpanCache:
         prefill(engine.model, context, expected, engine.policy, chunk=engine.config.prefill_chunk, cancel=cancel)
         if len(context.tokens) != start + len(expected):
             return False  # cancelled: the context stays consistent up to what was computed
-        context.cache.segments.cover(start, start + len(expected))
+        context.mark_span(start, start + len(expected))
         report.recomputed += len(expected)
         report.recomputed_by_reason[reason] = report.recomputed_by_reason.get(reason, 0) + len(expected)
         try:
@@ -320,7 +305,7 @@ class SpanCache:
                 pending.append(Pending(part, span_tensors(context, part.start, part.end)))
                 summary = pending[-1].tensors.code_summary
             if part.end <= context.cache.length:
-                context.cache.segments.cover(part.start, part.end, summary)
+                context.mark_span(part.start, part.end, summary)
         return pending
 
     def write(
@@ -380,13 +365,9 @@ def _stored(span: SpanRecord) -> Part:
 
 
 def _load(context: Context, data: memory.SpanFile, n: int) -> None:
-    """Append the first n rows of a span read from disk (torch views on the mapped file)."""
-    codes = data.key_codes
-    if codes is not None:
-        codes = codes[..., :n]  # (L, Hkv, W, n)
-        if isinstance(context.cache.codes, np.ndarray):
-            codes = codes.numpy()
-    context.cache.load(data.k[:, :, :n], data.v[:, :, :n], codes)  # k, v: (L, Hkv, n, D)
+    """Append the first n rows of a span read from disk (torch views on the mapped file), tokens included."""
+    rows = KVRows(k=data.k, v=data.v, token_ids=data.token_ids.tolist(), key_codes=data.key_codes)
+    context.append_rows(rows, n)
 
 
 def _reason(error: memory.SpanUnavailable) -> str:

@@ -19,13 +19,11 @@ new branch there, and switching back to that branch (`switch_branch`) clears the
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 from memory import CacheSize, MessageRecord, Store
 from memory.config import StoreConfig
-from spotlight.config import SamplingConfig, SpotlightConfig
+from spotlight.config import SpotlightConfig
 from spotlight.errors import SpotlightError
 
 from . import export
@@ -46,7 +44,6 @@ from .runtime import CancelFlags, ContextPool, EngineGate
 from .turns import ReplyPlan, TurnRunner
 
 DEFAULT_TITLE = "New chat"
-_WARM_UP_TOKENS = 2
 _TITLE_CHARS = 60
 
 __all__ = ["ChatService", "Turn"]
@@ -466,54 +463,13 @@ class ChatService:
 
 
 def with_spotlight(engine, spotlight: SpotlightConfig):
-    """`engine` decoding as `spotlight` says: the same engine when its policy already does, else
-    a copy sharing the model and tokenizer with a new policy (the encoders are kept when their
-    code width still fits, else found again as `Engine.load` finds them). The original engine
-    is left unchanged, so a reply still running on it is not affected."""
-    from spotlight.attention import CodeSelector, DenseDecode, SpotlightDecode
-    from spotlight.engine import find_encoders
-
-    policy = engine.policy
-    if not spotlight.enabled:
-        return engine if isinstance(policy, DenseDecode) else replace(engine, policy=DenseDecode(), warnings=())
-    if isinstance(policy, SpotlightDecode) and policy.config == spotlight:
-        return engine
-    encoders = getattr(getattr(policy, "selector", None), "encoders", None)
-    warnings = engine.warnings
-    if encoders is None or encoders.spec.bits != spotlight.bits:
-        encoders, found = find_encoders(engine.args, engine.fingerprint, spotlight.bits, engine.config.encoder_path)
-        warnings = tuple(found)
-    return replace(engine, policy=SpotlightDecode(spotlight, CodeSelector(encoders)), warnings=warnings)
+    """`engine` decoding as `spotlight` says (`Engine.with_spotlight`)."""
+    return engine.with_spotlight(spotlight)
 
 
 def warm_up(engine) -> float:
-    """One short prefill + decode on a throwaway context; the seconds it took. With Spotlight
-    the decode also runs once through the sparse path (`_warm_up_sparse`)."""
-    started = time.perf_counter()
-    engine.prefault_buffers()  # the first resume's K/V memory, mapped in now rather than then
-    ids = engine.encode("Warm up.") or [0]
-    sampling = SamplingConfig(max_new_tokens=_WARM_UP_TOKENS)
-    for _ in engine.stream(engine.new_context(len(ids) + _WARM_UP_TOKENS), ids, sampling):
-        pass
-    if getattr(getattr(engine.policy, "config", None), "enabled", False):
-        _warm_up_sparse(engine, ids, sampling)
-    return time.perf_counter() - started
-
-
-def _warm_up_sparse(engine, ids: list[int], sampling: SamplingConfig) -> None:
-    """Decode `ids` with the engine's Spotlight selector in every layer (a copy of its policy
-    that selects from a few tokens), so the first long reply does not pay the selection and
-    attention kernels' one-time start: ~5 s on 2 cores when numba compiles them (first run
-    after an install), milliseconds when its cache has them."""
-    from spotlight.attention import SpotlightDecode
-    from spotlight.generate import stream
-
-    sparse = replace(engine.policy.config, dense_layers=(), dense_below=0, sinks=1, window=1, k_min=1)
-    policy = SpotlightDecode(sparse, engine.policy.selector)
-    context = engine.new_context(len(ids) + _WARM_UP_TOKENS)
-    for _ in stream(engine.model, engine.tokenizer, context, ids, policy, sampling, eos_ids=set(),
-                    max_context=engine.max_context, chunk=engine.config.prefill_chunk):
-        pass
+    """One short prefill + decode on a throwaway context; the seconds it took (`Engine.warm_up`)."""
+    return engine.warm_up()
 
 
 def _document_info(record) -> DocumentInfo:

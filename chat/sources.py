@@ -31,6 +31,8 @@ import torch
 from segmenter import Document, Segment, segment
 from segmenter.segment import sentences
 
+from spotlight.observers import tally_layers
+
 from .documents import token_offsets
 from .records import Source
 
@@ -40,11 +42,6 @@ _CACHE_DOCUMENTS = 16
 _DOCUMENT = re.compile(r'<document name="(?P<name>[^"\n]*)">\n(?P<text>.*?)\n</document>', re.S)
 
 __all__ = ["AttentionTally", "SourceTracker", "tally_layers", "top_sources"]
-
-
-def tally_layers(n_layers: int) -> list[int]:
-    """Layers whose attention is tallied: spread over the second half, the last included."""
-    return sorted({min(n_layers - 1, int(n_layers * f)) for f in (0.5, 0.67, 0.83)} | {n_layers - 1})
 
 
 class AttentionTally:

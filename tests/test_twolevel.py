@@ -10,7 +10,7 @@ from spotlight.attention import CodeSelector, SpotlightDecode, StepRecord
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.hashing import EncoderSpec, Encoders
-from spotlight.twolevel import SegmentTable, TwoLevelConfig, code_summary
+from spotlight.twolevel import SpanTable, TwoLevelConfig, code_summary
 
 SINKS, WINDOW = 4, 64
 
@@ -139,7 +139,7 @@ def test_segment_scores_are_the_mean_token_scores():
 # ----------------------------------------------------------------------------- summaries
 
 
-def at_once(table: SegmentTable, codes_by_layer, n: int) -> np.ndarray:
+def at_once(table: SpanTable, codes_by_layer, n: int) -> np.ndarray:
     """(L, Hkv, S, B) bit counts of every segment's first-n tokens, computed from scratch."""
     out = np.zeros(table.ones.shape[:2] + (len(table), table.ones.shape[3]), np.int32)
     for layer, codes in enumerate(codes_by_layer):
@@ -151,7 +151,7 @@ def at_once(table: SegmentTable, codes_by_layer, n: int) -> np.ndarray:
 def test_summaries_updated_incrementally_equal_summaries_computed_at_once():
     rng = np.random.default_rng(4)
     codes = [rng.integers(0, 2**64, size=(3, 2, 6000), dtype=np.uint64) for _ in range(2)]
-    table = SegmentTable()
+    table = SpanTable()
     table.bind(layers=2, kv_heads=3, words=2)
     table.add(10, 300)
     n = 0
@@ -173,7 +173,7 @@ def test_summaries_updated_incrementally_equal_summaries_computed_at_once():
 
 
 def test_segments_must_be_ascending_and_disjoint():
-    table = SegmentTable()
+    table = SpanTable()
     table.add(0, 10)
     with pytest.raises(ValueError, match="start at or after 10"):
         table.add(5, 20)
@@ -203,7 +203,7 @@ def run(model, selector, segments, steps=3, two_level_from=TWO_LEVEL):
     with torch.inference_mode():
         model(torch.tensor(PROMPT), cache, policy)
         for a, b in segments:
-            cache.segments.add(a, b)
+            cache.spans.add(a, b)
         for token in [5, 17, 99][:steps]:
             logits.append(model(torch.tensor([token]), cache, policy))
             selections.append({layer: idx.copy() for layer, idx in policy.record.selected.items()})
@@ -268,13 +268,13 @@ def test_summaries_kept_through_decode_equal_summaries_computed_at_once():
     cache = KVCache(model.args, 64, code_words=2)
     with torch.inference_mode():
         model(torch.tensor(PROMPT[:300]), cache, policy)
-        cache.segments.add(0, 150)
+        cache.spans.add(0, 150)
         model(torch.tensor(PROMPT[300:]), cache, policy)
-        cache.segments.add(150, 580)
-        cache.segments.add(580, 700)  # runs ahead of the tokens: counted as they arrive
+        cache.spans.add(150, 580)
+        cache.spans.add(580, 700)  # runs ahead of the tokens: counted as they arrive
         for token in range(120):
             model(torch.tensor([token]), cache, policy)
-    table = cache.segments
+    table = cache.spans
     assert table.summarized.tolist() == [cache.length] * 2  # each layer synced at its last step
     np.testing.assert_array_equal(table.ones[:, :, :3], at_once(table, cache.codes, cache.length))
 
@@ -286,18 +286,18 @@ def test_truncating_the_cache_truncates_its_segments():
     with torch.inference_mode():
         model(torch.tensor(PROMPT), cache, policy)
     for a, b in [(0, 100), (100, 300), (300, 500)]:
-        cache.segments.add(a, b)
+        cache.spans.add(a, b)
     cache.truncate(200)
-    assert (cache.segments.starts.tolist(), cache.segments.ends.tolist()) == ([0, 100], [100, 200])
-    cache.segments.cover(100, 200)  # already a segment: kept
-    cache.segments.cover(150, 180)  # an older layout of these tokens: replaced
-    assert (cache.segments.starts.tolist(), cache.segments.ends.tolist()) == ([0, 100, 150], [100, 150, 180])
+    assert (cache.spans.starts.tolist(), cache.spans.ends.tolist()) == ([0, 100], [100, 200])
+    cache.spans.cover(100, 200)  # already a segment: kept
+    cache.spans.cover(150, 180)  # an older layout of these tokens: replaced
+    assert (cache.spans.starts.tolist(), cache.spans.ends.tolist()) == ([0, 100, 150], [100, 150, 180])
 
 
 def test_a_known_summary_is_taken_as_is_and_matches_the_counted_one():
     rng = np.random.default_rng(7)
     codes = rng.integers(0, 2**64, size=(2, 3, 2, 900), dtype=np.uint64)  # (L, Hkv, W, N)
-    loaded, counted = SegmentTable(), SegmentTable()
+    loaded, counted = SpanTable(), SpanTable()
     for table in (loaded, counted):
         table.bind(layers=2, kv_heads=3, words=2)
     for a, b in [(0, 400), (400, 900)]:
