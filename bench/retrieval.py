@@ -570,7 +570,7 @@ def two_level_part(quick: bool):
 
                 def two_level(need):
                     layer_codes, summary = copies()
-                    kernels.segment_scores(qc, summary, lengths, out=seg_scores)
+                    kernels.span_scores(qc, summary, lengths, out=seg_scores)
                     kernels.pick_ranges(seg_scores, table.starts, table.ends, layout.sinks_end, layout.window_start,
                                         need, lo, hi, count)
                     return kernels.ranges_score_select(qc, layer_codes, n, lo, hi, count, layout.retrieved, SINKS,

@@ -4,11 +4,12 @@ Shape legend: H query heads, Hkv KV heads, G = H / Hkv, D head dim, C code bits,
 W packed words, N cached tokens (including the one being decoded), Ncap cache capacity,
 K selected tokens.
 
-A policy is called by every layer of the model:
+A policy (`DecodePolicy`) is called by every layer of the model:
   - `on_new_tokens(layer, q, k, cache)` when T new tokens' post-RoPE queries (H, T, D)
     and keys (Hkv, T, D) enter the cache (before `cache.advance`), so a key's code is
     computed exactly once (and training can record q and k);
-  - `decode(layer, q, cache)` for a single-token step, q (H, 1, D) -> (H, 1, D).
+  - `decode(layer, q, cache)` for a single-token step, q (H, 1, D) -> (H, 1, D), after
+    which `selection(layer)` says what it read (for the step's observers, observers.py).
 Prefill chunks always attend densely (see model.causal_attention).
 
 `SpotlightDecode` keeps, per KV head, the first `sinks` and last `window` tokens plus the
@@ -16,7 +17,7 @@ Prefill chunks always attend densely (see model.causal_attention).
 softmax attention over those rows. Every selector (Spotlight codes, random SimHash, exact
 top-k, Quest pages, sinks + window only) returns the same layout
 (`kernels.selection_layout`), so budgets are identical across methods. From
-`two_level_from` cached tokens on, a selector that has `select_spans` (CodeSelector) and a
+`two_level_from` cached tokens on, a selector whose `has_spans` holds (CodeSelector) and a
 cache with stored spans (`cache.spans`, spotlight/twolevel.py) pick spans by their code
 summaries first, then tokens inside them: same layout and budget, fewer codes read. Below
 the threshold, or without spans, the flat scan runs; it is the reference.

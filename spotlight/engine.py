@@ -27,7 +27,7 @@ import torch
 import kernels
 
 from . import loading
-from .attention import CodeSelector, DenseDecode, SpotlightDecode
+from .attention import CodeSelector, DecodePolicy, DenseDecode, SpotlightDecode
 from .cache import BufferPool, KVCache, kv_buffer_bytes
 from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
 from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
@@ -64,7 +64,7 @@ class Engine:
     model: Transformer
     tokenizer: object
     source: loading.ModelSource
-    policy: object
+    policy: DecodePolicy
     load_seconds: float = 0.0
     warnings: tuple[str, ...] = ()
     buffers: BufferPool = field(default_factory=lambda: BufferPool(0))  # kept K/V memory (KVCache)

@@ -16,7 +16,7 @@ generated, not stored yet) are always scanned exactly.
 
 `TwoLevelScan.select` (CodeSelector.select_spans, which SpotlightDecode calls from
 `SpotlightConfig.two_level_from` cached tokens on) scores each span by the mean token score
-its summary implies (kernels.segment_scores), takes per KV head the best spans until their
+its summary implies (kernels.span_scores), takes per KV head the best spans until their
 middle tokens reach `multiple` x the retrieved budget, and runs the flat selection (sinks +
 window forced, top `retrieved` by score desc, index asc) over those spans plus every token
 outside spans (kernels.ranges_score_select). The flat scan stays the reference: with every
@@ -182,7 +182,7 @@ class TwoLevelScan:
     def __init__(self, config: TwoLevelConfig = TwoLevelConfig()):
         self.config = config
         self._ranges = None  # (lo, hi) (Hkv, 2 Scap + 1) int64 and count (Hkv,) int64
-        self._segment_scores = None  # (Hkv, S) float64
+        self._span_scores = None  # (Hkv, S) float64
 
     def select(self, layer: int, q_codes, k_codes, table: SpanTable, n: int, retrieved: int, sinks: int,
                window: int, out: np.ndarray, scratch) -> np.ndarray:
@@ -192,7 +192,7 @@ class TwoLevelScan:
         layout = kernels.selection_layout(n, retrieved, sinks, window)
         need = max(layout.retrieved, int(np.ceil(self.config.multiple * layout.retrieved)))
         lo, hi, count, scores = self._buffers(k_codes.shape[0], table)
-        kernels.segment_scores(q_codes, table.summary(layer), table.lengths(n), out=scores)  # (Hkv, S)
+        kernels.span_scores(q_codes, table.summary(layer), table.lengths(n), out=scores)  # (Hkv, S)
         kernels.pick_ranges(scores, table.starts, table.ends, layout.sinks_end, layout.window_start, need, lo, hi, count)
         return kernels.ranges_score_select(q_codes, k_codes, n, lo, hi, count, retrieved, sinks, window, out=out,
                                            scratch=scratch)  # (Hkv, K)
@@ -201,6 +201,6 @@ class TwoLevelScan:
         slots = 2 * table.ones.shape[2] + 1  # at most one gap per span, the span, and the tail
         if self._ranges is None or self._ranges[0].shape != (hkv, slots):
             self._ranges = (np.zeros((hkv, slots), np.int64), np.zeros((hkv, slots), np.int64), np.zeros(hkv, np.int64))
-        if self._segment_scores is None or self._segment_scores.shape != (hkv, len(table)):
-            self._segment_scores = np.empty((hkv, len(table)), np.float64)  # (Hkv, S): changes when spans do
-        return (*self._ranges, self._segment_scores)
+        if self._span_scores is None or self._span_scores.shape != (hkv, len(table)):
+            self._span_scores = np.empty((hkv, len(table)), np.float64)  # (Hkv, S): changes when spans do
+        return (*self._ranges, self._span_scores)

@@ -244,3 +244,22 @@ def test_observers_see_decode_steps_only_and_leave_the_policy_alone():
     list(engine.stream(context, ids_of(100), greedy(1), observers=[meter]))
     assert meter.steps == [ReadStep(101, (101, engine.spotlight.budget(101)))]
     assert engine.policy is policy
+
+
+@pytest.mark.gpu
+def test_cuda_rows_are_host_copies_that_a_cpu_context_takes():
+    from spotlight.cache import KVCache
+
+    engine = tiny_engine(spotlight=True)
+    args, words = engine.args, engine.policy.code_words
+    gpu = Context(KVCache(args, 64, device="cuda", code_words=words))
+    cpu = Context(KVCache(args, 64, code_words=words))
+    host = filled(engine, 40).rows(0, 40)
+    gpu.append_rows(host)
+    rows = gpu.rows(0, 40)
+    assert rows.k.device.type == "cpu" and rows.key_codes.dtype == np.uint64
+    np.testing.assert_array_equal(rows.key_codes, host.key_codes)
+    np.testing.assert_array_equal(rows.code_summary, host.code_summary)
+    cpu.append_rows(rows)
+    torch.testing.assert_close(cpu.rows(0, 40).k, host.k, rtol=0, atol=0)
+    assert cpu.tokens == gpu.tokens == host.token_ids
