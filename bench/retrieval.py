@@ -530,7 +530,7 @@ def two_level_part(quick: bool):
     """Flat scan vs two-level (each multiple) at each context: microseconds per layer, recall, mass."""
     import torch
 
-    from spotlight.twolevel import SegmentTable, TwoLevelConfig
+    from spotlight.twolevel import SpanTable, TwoLevelConfig
 
     config = TWO_LEVEL[quick]
     keys_by_layer, queries_by_layer, encoders, args = record_chunks(config)
@@ -546,7 +546,7 @@ def two_level_part(quick: bool):
                     bits = encoders.key_bits(layer, keys[:, start : start + config["chunk"]])  # (Hkv, T, C)
                     kernels.pack_into(bits.numpy(), codes, start)
                 q_codes = kernels.pack(encoders.query_bits(layer, queries_by_layer[layer].float()).numpy())  # (H, Q, W)
-            table = SegmentTable()
+            table = SpanTable()
             for start in range(0, n - TAIL_TOKENS, SEGMENT_TOKENS):
                 table.add(start, min(start + SEGMENT_TOKENS, n - TAIL_TOKENS))
             table.bind(1, args.n_kv_heads, words)
@@ -570,7 +570,7 @@ def two_level_part(quick: bool):
 
                 def two_level(need):
                     layer_codes, summary = copies()
-                    kernels.segment_scores(qc, summary, lengths, out=seg_scores)
+                    kernels.span_scores(qc, summary, lengths, out=seg_scores)
                     kernels.pick_ranges(seg_scores, table.starts, table.ends, layout.sinks_end, layout.window_start,
                                         need, lo, hi, count)
                     return kernels.ranges_score_select(qc, layer_codes, n, lo, hi, count, layout.retrieved, SINKS,

@@ -19,6 +19,7 @@ from spotlight.engine import Engine
 from spotlight.hashing import EncoderSpec, Encoders
 from spotlight.loading import ModelSource
 from spotlight.model import Transformer
+from spotlight.onerow import use_onerow_linear
 
 SPECIAL_TOKENS = {"<|im_start|>": 256, "<|im_end|>": 257, "<|endoftext|>": 258}
 _SPECIALS = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
@@ -31,7 +32,6 @@ class ByteTokenizer:
 
     eos_token_id = SPECIAL_TOKENS["<|endoftext|>"]
     unk_token_id = UNKNOWN_TOKEN
-    is_fast = True  # it reports offsets (`__call__`) as a fast tokenizer does
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Bytes, except that the special tokens' text becomes their ids (as a real tokenizer does)."""
@@ -40,26 +40,26 @@ class ByteTokenizer:
             ids += [SPECIAL_TOKENS[piece]] if piece in SPECIAL_TOKENS else list(piece.encode())
         return ids
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
     def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False) -> dict:
-        """Ids and, like a fast tokenizer, each token's (start, end) characters: a special token
-        spans its text, every byte of a character spans that character."""
+        """`encode` as a fast Hugging Face tokenizer's call returns it: input_ids, and with
+        `return_offsets_mapping` each token's (start, end) characters (a character's bytes share its)."""
         ids: list[int] = []
         offsets: list[tuple[int, int]] = []
-        position = 0
+        at = 0
         for piece in _SPECIALS.split(text):
             if piece in SPECIAL_TOKENS:
                 ids.append(SPECIAL_TOKENS[piece])
-                offsets.append((position, position + len(piece)))
+                offsets.append((at, at + len(piece)))
             else:
-                for char_index, char in enumerate(piece):
-                    data = char.encode()
-                    ids += list(data)
-                    offsets += [(position + char_index, position + char_index + 1)] * len(data)
-            position += len(piece)
+                for index, char in enumerate(piece):
+                    encoded = char.encode()
+                    ids += encoded
+                    offsets += [(at + index, at + index + 1)] * len(encoded)
+            at += len(piece)
         return {"input_ids": ids, "offset_mapping": offsets} if return_offsets_mapping else {"input_ids": ids}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def convert_tokens_to_ids(self, name: str) -> int:
         return SPECIAL_TOKENS.get(name, UNKNOWN_TOKEN)
@@ -94,7 +94,7 @@ def tiny_engine(
     args = tiny_args(max_seq_len)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Transformer(args).eval().requires_grad_(False)
+        model = use_onerow_linear(Transformer(args).eval().requires_grad_(False))  # as Engine.load does
     policy = DenseDecode()
     if spotlight:
         config = SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16)

@@ -16,8 +16,8 @@ over all cached rows or over selected rows, reading them in place) lives in kern
 (CPU) and kernels/cuda.py; `mlp_codes` / `MlpCoder` (an encoder MLP + pack in one call) are CPU only
 (kernels/encode.py). Two-level retrieval (kernels/ranges.py): `ranges_score_select`, the flat
 selection over each head's token ranges, runs on both backends (CUDA: kernels/retrieval.cu
-`range_scores`, compile-checked only so far); the host-side segment table's helpers
-(`bit_counts`, `segment_scores`, `pick_ranges`) are CPU only.
+`range_scores`, compile-checked only so far); the host-side span table's helpers
+(`bit_counts`, `span_scores`, `pick_ranges`) are CPU only.
 
 CPU threads: `set_threads(n)` (default 1, measured in kernels/cpu.py). Importing this package
 never imports cupy; the CUDA backend raises `CudaUnavailable` when asked for without a usable
@@ -34,13 +34,13 @@ from . import cpu
 from . import ranges as _ranges
 from .cpu import Layout, Scratch, selection_layout, set_threads, words_for
 from .encode import MlpCoder, mlp_codes
-from .ranges import bit_counts, pick_ranges, segment_scores
+from .ranges import bit_counts, pick_ranges, span_scores
 
 __all__ = [
     "pack", "pack_into", "scores", "select", "score_select", "make_scratch", "gather",
     "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
     "set_threads", "attend", "gather_attend", "make_attend_scratch", "mlp_codes", "MlpCoder",
-    "bit_counts", "segment_scores", "pick_ranges", "ranges_score_select",
+    "bit_counts", "span_scores", "pick_ranges", "ranges_score_select",
 ]
 
 BACKENDS = ("cpu", "numpy", "cuda")

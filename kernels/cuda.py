@@ -39,7 +39,7 @@ SELECT_ITEMS = 32  # tokens per thread in select_count / select_write (kernels/r
                    # each warp owns 32 * SELECT_ITEMS contiguous tokens, read 32 at a time
 SEGMENT = THREADS * SELECT_ITEMS  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
 BLOCKS_PER_SM = 16  # grid of the grid-stride scoring kernels: two waves of 8 resident blocks (2048 threads per
-                    # SM); measured 2.4-2.5 us faster than one wave at 512K tokens in both H200 sessions' sweeps
+                    # SM): 2.4-2.5 us faster than one wave at 512K tokens on an H200 (docs/gpu/)
 MAX_BINS = 12288  # histogram bins (int32) in the 48 KiB of shared memory a launch gets without opt-in;
                   # below 65536, so the fused paths keep uint16 scores (half the selection kernels' reads)
 RANGE_SPLIT = 8  # blocks per range in range_scores (a range may be one 512-token segment or the whole middle)

@@ -1,20 +1,20 @@
-"""Two-level retrieval kernels (CPU): segment summaries, segment scores, and top-k over token ranges.
+"""Two-level retrieval kernels (CPU): span summaries, span scores, and top-k over token ranges.
 
 Shape legend: H query heads, Hkv KV heads, G = H / Hkv, W words, B = 64 W bit positions,
-N code-buffer capacity, n valid tokens, S segments, R ranges per head (R <= 2 S + 1), K selected.
+N code-buffer capacity, n valid tokens, S spans, R ranges per head (R <= 2 S + 1), K selected.
 
-A segment is a span [start, end) of the cache with a summary per layer and KV head: ones[h, s, b],
+A span is a stored run of tokens [start, end) of the cache with a summary per layer and KV head: ones[h, s, b],
 how many of its tokens have bit b set. With Q[h, b] = how many of the head's G query codes have
-bit b set, the segment's total score (sum over its tokens of the token scores of kernels.cpu) is
+bit b set, the span's total score (sum over its tokens of the token scores of kernels.cpu) is
 
     sum_b  Q_b ones_b + (G - Q_b)(len - ones_b)  =  G (B len - sum_b ones_b) + sum_b Q_b (2 ones_b - len)
 
 so its mean token score, the expected score of a token drawn from it, costs one dot product.
 
     bit_counts(k_codes, lo, hi, out)        out[h, b] += #tokens t in [lo, hi) with bit b set
-    segment_scores(q_codes, ones, lengths)  mean token score per (head, segment), float64 (Hkv, S)
-    pick_ranges(...)                        per head: best segments until their middle tokens
-                                            reach `need`, plus every token outside segments
+    span_scores(q_codes, ones, lengths)     mean token score per (head, span), float64 (Hkv, S)
+    pick_ranges(...)                        per head: best spans until their middle tokens
+                                            reach `need`, plus every token outside spans
     ranges_score_select(...)                kernels.score_select restricted to each head's ranges
 
 Selection semantics are the flat scan's (kernels/cpu.py): forced sinks and window, the top
@@ -74,7 +74,7 @@ if HAVE_NUMBA:  # the plain Python functions above are also the no-numba fallbac
                     out[h, WORD_BITS * w + j] += total
 
     @njit(cache=True)
-    def _segment_scores(q, ones, lengths, group, out):
+    def _span_scores(q, ones, lengths, group, out):
         hkv, _, bits = ones.shape
         counts = np.zeros(bits, np.int64)  # Q_b of one head
         for h in range(hkv):
@@ -96,7 +96,7 @@ if HAVE_NUMBA:  # the plain Python functions above are also the no-numba fallbac
     def _best_first(scores, width, need):
         """Segment indices by (score desc, index asc), enough of them to cover `need` tokens of `width`.
 
-        Only the segments scoring at least the c-th best are sorted, c = the most segments `need` can
+        Only the spans scoring at least the c-th best are sorted, c = the most spans `need` can
         take (need / the narrowest non-empty width + 1): the same prefix as a full stable sort.
         """
         narrowest = width.max()
@@ -104,7 +104,7 @@ if HAVE_NUMBA:  # the plain Python functions above are also the no-numba fallbac
             if width[s] > 0:
                 narrowest = min(narrowest, width[s])
         c = min(width.size, need // max(narrowest, 1) + 1)
-        key = np.where(width > 0, -scores, np.inf)  # empty segments last
+        key = np.where(width > 0, -scores, np.inf)  # empty spans last
         if c < width.size:
             top = np.partition(key, c - 1)[c - 1]
             pool = np.flatnonzero(key <= top)  # ascending indices: ties keep index order below
@@ -114,9 +114,9 @@ if HAVE_NUMBA:  # the plain Python functions above are also the no-numba fallbac
 
     @njit(cache=True)
     def _pick_ranges(scores, starts, ends, lo, hi, need, range_lo, range_hi, range_count):
-        """Per head: segments by (score desc, index asc) until their [lo, hi) tokens reach `need`."""
-        hkv, segments = scores.shape
-        chosen = np.zeros(segments, np.bool_)
+        """Per head: spans by (score desc, index asc) until their [lo, hi) tokens reach `need`."""
+        hkv, spans = scores.shape
+        chosen = np.zeros(spans, np.bool_)
         width = np.maximum(np.minimum(ends, hi) - np.maximum(starts, lo), 0)  # (S,) tokens in [lo, hi)
         for h in range(hkv):
             chosen[:] = False
@@ -128,9 +128,9 @@ if HAVE_NUMBA:  # the plain Python functions above are also the no-numba fallbac
                     chosen[s] = True
                     covered += width[s]
             count, cursor = 0, lo
-            for s in range(segments + 1):  # the gap before each segment, the segment if chosen; the tail
-                a = min(max(starts[s], lo), hi) if s < segments else hi
-                b = min(max(ends[s], lo), hi) if s < segments else hi
+            for s in range(spans + 1):  # the gap before each span, the span if chosen; the tail
+                a = min(max(starts[s], lo), hi) if s < spans else hi
+                b = min(max(ends[s], lo), hi) if s < spans else hi
                 if cursor < a:
                     count = _append_range(range_lo[h], range_hi[h], count, cursor, a)
                 if a < b and chosen[s]:
@@ -206,10 +206,10 @@ def bit_counts(k_codes, lo: int, hi: int, out) -> np.ndarray:
     return dest
 
 
-def segment_scores(q_codes, ones, lengths, out=None) -> np.ndarray:
-    """Mean token score of each segment, float64 (Hkv, S); ones (Hkv, >= S, B) int32, lengths (S,) int64.
+def span_scores(q_codes, ones, lengths, out=None) -> np.ndarray:
+    """Mean token score of each span, float64 (Hkv, S); ones (Hkv, >= S, B) int32, lengths (S,) int64.
 
-    A segment of length 0 scores -1 (below every real score).
+    A span of length 0 scores -1 (below every real score).
     """
     q = as_codes(q_codes, "q_codes")
     counts, sizes = as_numpy(ones), np.asarray(lengths, np.int64)
@@ -218,7 +218,7 @@ def segment_scores(q_codes, ones, lengths, out=None) -> np.ndarray:
         raise ValueError(f"q_codes {q.shape}, ones {counts.shape} and {sizes.size} lengths do not match")
     dest = result(out, (hkv, sizes.size), np.float64)
     if HAVE_NUMBA:
-        _segment_scores(q, counts, sizes, q.shape[0] // hkv, dest)
+        _span_scores(q, counts, sizes, q.shape[0] // hkv, dest)
     else:
         bits = np.unpackbits(q.view(np.uint8), axis=1, bitorder="little").reshape(hkv, -1, counts.shape[2])
         per_bit = bits.sum(1).astype(np.int64)  # (Hkv, B): Q_b
@@ -231,8 +231,8 @@ def segment_scores(q_codes, ones, lengths, out=None) -> np.ndarray:
 
 
 def pick_ranges(scores, starts, ends, lo: int, hi: int, need: int, range_lo, range_hi, range_count) -> None:
-    """Ranges (ascending, disjoint, within [lo, hi)) each head scans: every token outside the segments,
-    and the best segments by (score desc, index asc) until their tokens in [lo, hi) reach `need`.
+    """Ranges (ascending, disjoint, within [lo, hi)) each head scans: every token outside the spans,
+    and the best spans by (score desc, index asc) until their tokens in [lo, hi) reach `need`.
 
     scores (Hkv, S) float64; starts, ends (S,) int64 ascending and disjoint; range_lo / range_hi
     (Hkv, >= 2 S + 1) int64 and range_count (Hkv,) int64 are written.
@@ -306,4 +306,4 @@ def _ranges_numpy(q, kc, n, lo_, hi_, count_, layout, dest) -> np.ndarray:
     return dest
 
 
-__all__ = ["bit_counts", "segment_scores", "pick_ranges", "ranges_score_select"]
+__all__ = ["bit_counts", "span_scores", "pick_ranges", "ranges_score_select"]

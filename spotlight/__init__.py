@@ -1,4 +1,27 @@
 """Spotlight: a compact Llama-family inference engine with hashed sparse decode attention.
 
-Kept import-light: submodules load torch and transformers only when used.
+The front door for code outside this package:
+
+    from spotlight import Engine, Context, KVRows, Fingerprints, ReadMeter, AttentionTally, Step, Stats
+
+with configurations from `spotlight.config` and errors from `spotlight.errors`. Kept
+import-light: these names (and torch, transformers) load on first use.
 """
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Engine": "engine", "Fingerprints": "engine",
+    "Context": "generate", "Step": "generate", "Stats": "generate",
+    "KVRows": "cache",
+    "ReadMeter": "observers", "AttentionTally": "observers", "StepObserver": "observers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'spotlight' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -4,11 +4,12 @@ Shape legend: H query heads, Hkv KV heads, G = H / Hkv, D head dim, C code bits,
 W packed words, N cached tokens (including the one being decoded), Ncap cache capacity,
 K selected tokens.
 
-A policy is called by every layer of the model:
+A policy (`DecodePolicy`) is called by every layer of the model:
   - `on_new_tokens(layer, q, k, cache)` when T new tokens' post-RoPE queries (H, T, D)
     and keys (Hkv, T, D) enter the cache (before `cache.advance`), so a key's code is
     computed exactly once (and training can record q and k);
-  - `decode(layer, q, cache)` for a single-token step, q (H, 1, D) -> (H, 1, D).
+  - `decode(layer, q, cache)` for a single-token step, q (H, 1, D) -> (H, 1, D), after
+    which `selection(layer)` says what it read (for the step's observers, observers.py).
 Prefill chunks always attend densely (see model.causal_attention).
 
 `SpotlightDecode` keeps, per KV head, the first `sinks` and last `window` tokens plus the
@@ -16,10 +17,10 @@ Prefill chunks always attend densely (see model.causal_attention).
 softmax attention over those rows. Every selector (Spotlight codes, random SimHash, exact
 top-k, Quest pages, sinks + window only) returns the same layout
 (`kernels.selection_layout`), so budgets are identical across methods. From
-`two_level_from` cached tokens on, a selector that has `select_segments` (CodeSelector) and a
-cache with segments (`cache.segments`, spotlight/twolevel.py) pick segments by their code
+`two_level_from` cached tokens on, a selector whose `has_spans` holds (CodeSelector) and a
+cache with stored spans (`cache.spans`, spotlight/twolevel.py) pick spans by their code
 summaries first, then tokens inside them: same layout and budget, fewer codes read. Below
-the threshold, or without segments, the flat scan runs; it is the reference.
+the threshold, or without spans, the flat scan runs; it is the reference.
 
 Fast path (CPU, fp32 cache, numba): attention reads the selected rows in place
 (`kernels.gather_attend`, no gathered copies) and dense layers stream the cache once
@@ -33,6 +34,7 @@ NOTE: the output of `decode` is a reused buffer, valid until the next call of th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,6 +46,54 @@ from .config import SpotlightConfig
 from .hashing import Encoders
 from .model import dense_decode
 from .twolevel import TwoLevelConfig, TwoLevelScan
+
+
+class Selector(Protocol):
+    """Which cached tokens a sparse layer reads. Every selector implements all of it.
+
+    `select` / `select_spans` return int32 (Hkv, K) indices in `kernels.selection_layout`'s
+    layout and tie rule (numpy, or a tensor on the cache's device; possibly a reused buffer)."""
+
+    code_words: int  # W of the key codes it keeps in the cache (0: none)
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the encoders behind its key codes ("" without codes)."""
+
+    def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
+        """Post-RoPE q (H, T, D) and k (Hkv, T, D) of T tokens entering the cache at cache.length."""
+
+    def select(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
+        """The flat scan over the first n cached tokens for the query q (H, 1, D)."""
+
+    def has_spans(self, cache) -> bool:
+        """Whether `select_spans` can run on this cache (stored spans with code summaries)."""
+
+    def select_spans(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
+        """Two-level selection: stored spans by summary first, then tokens (spotlight/twolevel.py)."""
+
+
+class DecodePolicy(Protocol):
+    """How each layer of a decode step attends (called by model.Attention.forward)."""
+
+    code_words: int  # W of the key codes the cache must hold (0: none)
+
+    @property
+    def spotlight(self) -> SpotlightConfig | None:
+        """The Spotlight configuration it decodes with; None when it decodes densely."""
+
+    @property
+    def encoder_fingerprint(self) -> str:
+        """The fingerprint of the encoders that produce the cache's key codes ("" without codes)."""
+
+    def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
+        """Post-RoPE q (H, T, D), k (Hkv, T, D) of T tokens entering the cache (before cache.advance)."""
+
+    def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
+        """q (H, 1, D) over the N = cache.length + 1 cached rows -> (H, 1, D), a reused buffer."""
+
+    def selection(self, layer: int):
+        """The (Hkv, K) indices the last `decode` of `layer` read, None when it read all rows."""
 
 
 def fast_path(q: torch.Tensor, cache) -> bool:
@@ -88,9 +138,14 @@ class DenseDecode:
     """Exact attention over every cached token."""
 
     code_words = 0
+    spotlight = None
+    encoder_fingerprint = ""
 
     def __init__(self):
         self.attend = Attend()
+
+    def selection(self, layer: int) -> None:
+        return None
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         pass
@@ -105,7 +160,7 @@ class StepRecord:
 
     n_tokens: int = 0
     selected: dict | None = None  # layer -> (Hkv, K) int32 indices
-    two_level: dict | None = None  # layer -> True when segments were picked first, False for the flat scan
+    two_level: dict | None = None  # layer -> True when spans were picked first, False for the flat scan
 
 
 class SpotlightDecode:
@@ -117,10 +172,22 @@ class SpotlightDecode:
         self.record: StepRecord | None = None  # set to StepRecord() to keep each step's selections
         self.selections = {"flat": 0, "two_level": 0}  # sparse layer-steps by path, since construction
         self.attend = Attend()
+        self._selected: dict[int, object] = {}  # layer -> what its last decode read (None: all rows)
 
     @property
     def code_words(self) -> int:
-        return getattr(self.selector, "code_words", 0)
+        return self.selector.code_words
+
+    @property
+    def spotlight(self) -> SpotlightConfig | None:
+        return self.config if self.config.enabled else None
+
+    @property
+    def encoder_fingerprint(self) -> str:
+        return self.selector.fingerprint if self.code_words else ""
+
+    def selection(self, layer: int):
+        return self._selected.get(layer)
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         self.selector.on_new_tokens(layer, q, k, cache)
@@ -129,22 +196,23 @@ class SpotlightDecode:
         c = self.config
         return not c.enabled or layer in c.dense_layers or n_tokens < c.dense_below
 
-    def uses_segments(self, cache, n_tokens: int) -> bool:
+    def uses_spans(self, cache, n_tokens: int) -> bool:
         """Whether a step over `n_tokens` selects two-level: a long enough context, and a selector
-        and cache that have segments."""
-        return (n_tokens >= self.config.two_level_from and hasattr(self.selector, "select_segments")
-                and self.selector.has_segments(cache))
+        and cache that have spans."""
+        return n_tokens >= self.config.two_level_from and self.selector.has_spans(cache)
 
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         n = cache.length + 1  # the key of the token being decoded is already written
         if self.is_dense(layer, n):
+            self._selected[layer] = None
             return self.attend.dense(layer, q, cache)  # (H, 1, D)
         c = self.config
         retrieved = max(c.k_min, int(c.ratio * n))
-        two_level = self.uses_segments(cache, n)
-        select = self.selector.select_segments if two_level else self.selector.select
+        two_level = self.uses_spans(cache, n)
+        select = self.selector.select_spans if two_level else self.selector.select
         idx = select(layer, q, cache, n, retrieved, c.sinks, c.window)  # (Hkv, K) int
         self.selections["two_level" if two_level else "flat"] += 1
+        self._selected[layer] = idx
         if self.record is not None:
             self.record.n_tokens = n
             self.record.selected = self.record.selected or {}
@@ -181,7 +249,7 @@ class CodeSelector:
     On the fast path the query codes and a decode step's key codes come from
     `kernels.MlpCoder` over views of the encoders' parameters (in place: retraining
     them in place is seen), and the selection is written into a buffer of the cache's
-    capacity (reused: copy it to keep it). `select` is the flat scan; `select_segments` the
+    capacity (reused: copy it to keep it). `select` is the flat scan; `select_spans` the
     two-level one (spotlight/twolevel.py).
     """
 
@@ -189,6 +257,7 @@ class CodeSelector:
         self.encoders = encoders
         self.two_level = TwoLevelScan(two_level)
         self.code_words = kernels.words_for(encoders.spec.bits)
+        self.fingerprint = encoders.fingerprint
         self._capacity = None  # (shape (Hkv, W, Ncap), device) of the code buffer the buffers below were made for
         self._scratch = None  # kernels.score_select scratch
         self._selected = None  # (Hkv * Ncap,) int32: room for any selection of this capacity
@@ -238,17 +307,17 @@ class CodeSelector:
         kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
         return out  # numpy on the CPU, a torch view of the device buffer on a GPU
 
-    def has_segments(self, cache) -> bool:
-        """Whether `cache` has segments with summaries (host-memory codes) to select from."""
-        table = getattr(cache, "segments", None)
+    def has_spans(self, cache) -> bool:
+        """Whether `cache` has spans with summaries (host-memory codes) to select from."""
+        table = getattr(cache, "spans", None)
         return table is not None and table.ones is not None and len(table) > 0
 
-    def select_segments(self, layer, q, cache, n, retrieved, sinks, window):
-        """`select` restricted to the best segments of cache.segments and every token outside them."""
+    def select_spans(self, layer, q, cache, n, retrieved, sinks, window):
+        """`select` restricted to the best spans of cache.spans and every token outside them."""
         q_codes = self.query_codes(layer, q)  # (H, W)
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
-        return self.two_level.select(layer, q_codes, k_codes, cache.segments, n, retrieved, sinks, window, out,
+        return self.two_level.select(layer, q_codes, k_codes, cache.spans, n, retrieved, sinks, window, out,
                                      self._scratch)
 
     def _out(self, q_codes, k_codes, n, retrieved, sinks, window) -> np.ndarray:
@@ -283,13 +352,24 @@ def _coder(mlp, layer: int, memo: dict) -> "kernels.MlpCoder":
     return memo[layer]
 
 
-class OracleSelector:
-    """Exact top-k: ranks tokens by the attention probability summed over the query group."""
+class _Uncoded:
+    """What the selectors that keep no key codes share: no codes to write, no two-level scan."""
 
     code_words = 0
+    fingerprint = ""
 
     def on_new_tokens(self, layer, q, k, cache) -> None:
         pass
+
+    def has_spans(self, cache) -> bool:
+        return False
+
+    def select_spans(self, layer, q, cache, n, retrieved, sinks, window):
+        raise RuntimeError(f"{type(self).__name__} has no two-level scan; SpotlightDecode checks has_spans first")
+
+
+class OracleSelector(_Uncoded):
+    """Exact top-k: ranks tokens by the attention probability summed over the query group."""
 
     def scores(self, q, cache, layer, n) -> torch.Tensor:
         H, _, D = q.shape
@@ -301,13 +381,8 @@ class OracleSelector:
         return topk_layout(self.scores(q, cache, layer, n), retrieved, sinks, window)
 
 
-class SinkWindowSelector:
+class SinkWindowSelector(_Uncoded):
     """No retrieval: the retrieved budget extends the local window (StreamingLLM at equal K)."""
-
-    code_words = 0
-
-    def on_new_tokens(self, layer, q, k, cache) -> None:
-        pass
 
     def select(self, layer, q, cache, n, retrieved, sinks, window):
         layout = kernels.selection_layout(n, retrieved, sinks, window)
@@ -317,16 +392,11 @@ class SinkWindowSelector:
         return row.expand(cache.args.n_kv_heads, -1).contiguous()  # (Hkv, K)
 
 
-class QuestSelector:
+class QuestSelector(_Uncoded):
     """Quest: per-page key min/max bounds of q.k; the best pages fill the retrieved budget."""
-
-    code_words = 0
 
     def __init__(self, page: int = 16):
         self.page = page
-
-    def on_new_tokens(self, layer, q, k, cache) -> None:
-        pass
 
     def scores(self, q, cache, layer, n) -> torch.Tensor:
         """Per-token score = its page's upper bound, summed over the query group: (Hkv, N)."""

@@ -13,21 +13,24 @@ Positions and lengths (batch size is always 1: one conversation per cache):
 ran, `advance(T)` makes them part of the cache. `truncate(m)` forgets everything from
 m on (edit / regenerate); nothing is freed, so the next append reuses the memory.
 
-`segments` (spotlight/twolevel.py) holds the cache's segment boundaries and per-segment code
-summaries for two-level retrieval. Whoever lays the tokens out registers them (chat/kv.py: one
-segment per stored span, set when spans are restored or stored); the summaries are kept only
-for host-memory codes (bound here), and `truncate` truncates them with the rows.
+`spans` (spotlight/twolevel.py) holds the cache's stored-span boundaries and per-span code
+summaries for two-level retrieval. Whoever lays the tokens out registers them
+(`Context.mark_span`: one per stored span, set when spans are restored or stored); the
+summaries are kept only for host-memory codes (bound here), and `truncate` truncates them
+with the rows. `KeyCodes` owns the codes on either device; `rows` / `append_rows` copy whole
+rows out and in (`KVRows`), so nothing outside the engine touches the buffers.
 """
 from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .config import ModelArgs
-from .twolevel import SegmentTable
+from .twolevel import SpanTable
 
 _GROW_ROUND = 256  # capacity grows in multiples of this many tokens
 
@@ -58,7 +61,10 @@ class BufferPool:
     (so no live cache ever shares memory); `prefault` fills the pool ahead of time.
 
     Buffers are untyped storages; a cache's tensors are set on them (no autograd view of a
-    shared base tensor, so nothing ties their lifetimes together). `take(n)` returns one of
+    shared base tensor, so nothing ties their lifetimes together). NOTE: by design the memory
+    of a cache's K and V belongs to the cache alone: views of `KVCache.k` / `v` are valid only
+    while their cache lives (the decode path's views are transient; `KVCache.rows` copies), so
+    the pool needs no count of a storage's users, which torch does not expose publicly. `take(n)` returns one of
     >= n bytes, and at most twice n (a short context does not hold a long one's buffer), or
     None. At most `max_bytes` are kept, in buffers of at least 1/64 of it; over the budget the
     smallest go first, so a short context's buffers never push out a long one's. Thread-safe:
@@ -73,7 +79,7 @@ class BufferPool:
 
     def take(self, nbytes: int) -> torch.UntypedStorage | None:
         with self._lock:
-            fits = [b for b in self._free if nbytes <= b.nbytes() <= 2 * nbytes and _unshared(b)]
+            fits = [b for b in self._free if nbytes <= b.nbytes() <= 2 * nbytes]
             if not fits:
                 self.misses += 1
                 return None
@@ -101,17 +107,74 @@ class BufferPool:
             return sum(b.nbytes() for b in self._free)
 
 
-def _unshared(buffer: torch.UntypedStorage) -> bool:
-    """No tensor uses the storage any more (a view of a dropped cache's K, kept by someone,
-    keeps the buffer out of reuse). NOTE: torch has no public storage use count; the private
-    one is used where it exists (1 = the pool's own reference)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is None or use_count(buffer._cdata) <= 1
-
-
 def _give_back(pool: BufferPool, buffers: list[torch.UntypedStorage]) -> None:
     for buffer in buffers:
         pool.give(buffer)
+
+
+@dataclass(slots=True)
+class KVRows:
+    """Copies of rows [start, end) of a Context: what a stored span holds.
+
+    k, v: (L, Hkv, T, D) torch, the cache's dtype, on the host; token_ids: the T token ids;
+    key_codes: (L, Hkv, W, T) numpy uint64 (a host copy also for a CUDA cache), None without
+    codes; code_summary: (L, Hkv, B) int32 per-bit counts of key_codes (`twolevel.code_summary`).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    token_ids: list[int]
+    key_codes: np.ndarray | None = None
+    code_summary: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.k.shape[2]
+
+
+class KeyCodes:
+    """Packed key codes of one cache, word-major (L, Hkv, W, Ncap): numpy uint64 in host memory,
+    on a GPU a torch int64 tensor holding the same bits (torch's uint64 has few CUDA ops; the
+    kernels take either). The one place that knows the two layouts: kernels read `data`, and
+    everything else goes through the methods, which take and give numpy uint64."""
+
+    def __init__(self, shape: tuple[int, int, int, int], device: torch.device):
+        self.device = device
+        if device.type == "cpu":
+            self.data = np.zeros(shape, dtype=np.uint64)  # (L, Hkv, W, Ncap)
+        else:
+            self.data = torch.zeros(shape, dtype=torch.int64, device=device)  # (L, Hkv, W, Ncap), the same bits
+
+    @property
+    def on_host(self) -> bool:
+        return isinstance(self.data, np.ndarray)
+
+    @property
+    def words(self) -> int:
+        return self.data.shape[2]
+
+    def grown(self, capacity: int, n: int) -> "KeyCodes":
+        """A copy with room for `capacity` tokens holding the first n."""
+        bigger = KeyCodes((*self.data.shape[:3], capacity), self.device)
+        bigger.data[..., :n] = self.data[..., :n]
+        return bigger
+
+    def load(self, start: int, codes) -> None:
+        """Write codes (L, Hkv, W, T) at [start, start + T): numpy uint64, or a torch tensor of the
+        same 64-bit words (e.g. read from a span file), for either device."""
+        if isinstance(codes, torch.Tensor):
+            codes = codes.cpu().numpy()
+        codes = np.ascontiguousarray(codes).view(np.uint64)  # (L, Hkv, W, T)
+        end = start + codes.shape[-1]
+        if self.on_host:
+            self.data[..., start:end] = codes
+        else:
+            self.data[..., start:end] = torch.from_numpy(codes.view(np.int64)).to(self.device)
+
+    def host(self, start: int, end: int) -> np.ndarray:
+        """A numpy uint64 copy (L, Hkv, W, T) of the codes of tokens [start, end)."""
+        if self.on_host:
+            return self.data[..., start:end].copy()
+        return self.data[..., start:end].cpu().numpy().view(np.uint64)
 
 
 class KVCache:
@@ -131,10 +194,11 @@ class KVCache:
         self._pooled: list[torch.UntypedStorage] = []  # the storages of k and v, given back at collection
         if self._pool is not None:
             weakref.finalize(self, _give_back, self._pool, self._pooled)
+        self.key_codes: KeyCodes | None = None
         self._allocate(max(capacity, 1))
-        self.segments = SegmentTable()
-        if isinstance(self.codes, np.ndarray):
-            self.segments.bind(args.n_layers, args.n_kv_heads, code_words)
+        self.spans = SpanTable()
+        if self.key_codes is not None and self.key_codes.on_host:
+            self.spans.bind(args.n_layers, args.n_kv_heads, code_words)
 
     def _allocate(self, capacity: int) -> None:
         capacity = -(-capacity // _GROW_ROUND) * _GROW_ROUND
@@ -143,13 +207,16 @@ class KVCache:
         # (380 MB) took ~70 ms of every resume's time to first token.
         self.k = self._empty(shape)  # (L, Hkv, Ncap, D)
         self.v = self._empty(shape)  # (L, Hkv, Ncap, D)
-        self.codes = None
         if self.code_words:
-            code_shape = code_cache_shape(self.args, self.code_words, capacity)
-            if self.device.type == "cpu":
-                self.codes = np.zeros(code_shape, dtype=np.uint64)  # (L, Hkv, W, Ncap)
+            if self.key_codes is None:
+                self.key_codes = KeyCodes(code_cache_shape(self.args, self.code_words, capacity), self.device)
             else:
-                self.codes = torch.zeros(code_shape, dtype=torch.int64, device=self.device)  # the same bits
+                self.key_codes = self.key_codes.grown(capacity, self.length)
+
+    @property
+    def codes(self):
+        """The raw code buffer (L, Hkv, W, Ncap) the kernels read (see KeyCodes), None without codes."""
+        return None if self.key_codes is None else self.key_codes.data
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialised tensor, from a pooled buffer when one fits (then kept in _pooled)."""
@@ -170,14 +237,12 @@ class KVCache:
         """Make room for `n_tokens` in total; grows geometrically and copies the cached rows once."""
         if n_tokens <= self.capacity:
             return
-        old_k, old_v, old_codes, n = self.k, self.v, self.codes, self.length
+        old_k, old_v, n = self.k, self.v, self.length
         outgrown = len(self._pooled)
         self._allocate(max(n_tokens, 2 * self.capacity))
-        del self._pooled[:outgrown]  # freed with old_k / old_v, never pooled: a view of them may live on
+        del self._pooled[:outgrown]  # freed with old_k / old_v, never pooled
         self.k[:, :, :n].copy_(old_k[:, :, :n])
         self.v[:, :, :n].copy_(old_v[:, :, :n])
-        if old_codes is not None:
-            self.codes[..., :n] = old_codes[..., :n]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's new rows at [length, length + T). k, v: (Hkv, T, D)."""
@@ -186,22 +251,17 @@ class KVCache:
         self.k[layer, :, start:end].copy_(k)
         self.v[layer, :, start:end].copy_(v)
 
-    def write_codes(self, layer: int, codes) -> None:
-        """Store one layer's packed key codes (Hkv, W, T) at [length, length + T)."""
-        start = self.length
-        self.codes[layer, :, :, start : start + codes.shape[-1]] = codes
-
     def advance(self, n_tokens: int) -> None:
         """Commit the rows written by the last forward."""
         assert self.length + n_tokens <= self.capacity
         self.length += n_tokens
 
     def truncate(self, length: int) -> None:
-        """Forget every token from `length` on (and the segments' share of them)."""
+        """Forget every token from `length` on (and the spans' share of them)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
-        self.segments.truncate(length)
+        self.spans.truncate(length)
 
     def keys(self, layer: int, extra: int = 0) -> torch.Tensor:
         """Cached keys of a layer including `extra` rows being written: (Hkv, N, D) view."""
@@ -211,17 +271,25 @@ class KVCache:
         return self.v[layer, :, : self.length + extra]
 
     def load(self, k: torch.Tensor, v: torch.Tensor, codes=None) -> None:
-        """Append whole precomputed rows (e.g. a span read from disk). k, v: (L, Hkv, T, D)."""
+        """Append whole precomputed rows (e.g. a span read from disk). k, v: (L, Hkv, T, D);
+        codes (L, Hkv, W, T) uint64 words (see KeyCodes.load), ignored by a cache without codes."""
         n_new = k.shape[2]
         self.reserve(self.length + n_new)
         start, end = self.length, self.length + n_new
         self.k[:, :, start:end].copy_(k)
         self.v[:, :, start:end].copy_(v)
-        if codes is not None and self.codes is not None:
-            if isinstance(self.codes, torch.Tensor):  # device codes: int64 holding the uint64 bits
-                codes = torch.from_numpy(np.ascontiguousarray(codes).view(np.int64)).to(self.device)
-            self.codes[..., start:end] = codes
+        if codes is not None and self.key_codes is not None:
+            self.key_codes.load(start, codes)
         self.length = end
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None]:
+        """Host copies of rows [start, end): k, v (L, Hkv, T, D) and codes (L, Hkv, W, T) uint64 or None."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"rows [{start}, {end}) are not within the cache's {self.length} tokens")
+        k = self.k[:, :, start:end].to("cpu", copy=True)  # (L, Hkv, T, D)
+        v = self.v[:, :, start:end].to("cpu", copy=True)  # (L, Hkv, T, D)
+        codes = None if self.key_codes is None else self.key_codes.host(start, end)  # (L, Hkv, W, T)
+        return k, v, codes
 
     def nbytes(self) -> int:
         """Bytes of the cached tokens (K, V and codes), not of the capacity."""

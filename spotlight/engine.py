@@ -1,49 +1,70 @@
-"""The engine: a loaded model + tokenizer, and the calls the chat service and CLI make.
+"""The engine: a loaded model + tokenizer, and the only calls code outside spotlight/ makes.
 
-    engine = Engine.load(EngineConfig(), home)
+    engine = Engine.load(EngineConfig(), home, spotlight=SpotlightConfig())
     context = engine.new_context()
-    for step in engine.stream(context, engine.chat_ids(messages), sampling):
+    meter = ReadMeter()
+    for step in engine.stream(context, engine.chat_ids(messages), sampling, observers=[meter]):
         print(step.text, end="")
+
+Everything a caller needs goes through `Engine` (tokenizer, prefill, stream with observers,
+fingerprints, which way it decodes, `with_spotlight`, `warm_up`) and `Context` (its token ids
+and the row API that stored spans use). The model, policy and tokenizer attributes are the
+engine's own; callers never swap them.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 import kernels
 
 from . import loading
-from .attention import CodeSelector, DenseDecode, SpotlightDecode
+from .attention import CodeSelector, DecodePolicy, DenseDecode, SpotlightDecode
 from .cache import BufferPool, KVCache, kv_buffer_bytes
 from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
 from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
 from .hashing import EncoderSpec, Encoders, load_encoders
-from .generate import Context, ProgressFn, Step, stream
+from .generate import Context, ProgressFn, Step, prefill, stream
 from .model import Transformer, build_model
-from .tokens import SegmentEncoder
+from .observers import StepObserver
+from .onerow import use_onerow_linear
+from .tokens import PieceTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INITIAL_CAPACITY = 1024  # tokens; the cache grows geometrically beyond this
 _POOL_TOKENS_MAX = 32768  # the default buffer pool covers the model's window up to this many tokens
+_WARM_UP_TOKENS = 2  # tokens decoded by warm_up: the first runs the decode path once
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # shipped encoder checkpoints
 log = logging.getLogger("spotlight")
 
 
+@dataclass(frozen=True)
+class Fingerprints:
+    """What cached K/V and key codes depend on: a stored span is reused only when all match."""
+
+    model: str  # the model's weights (loading.ModelSource.fingerprint)
+    encoders: str  # the Spotlight encoders behind the key codes; "" when the engine has no codes
+    kv_dtype: str  # dtype name of the K/V cache rows, e.g. "float32"
+
+
 @dataclass
 class Engine:
+    """A loaded model, tokenizer and decode policy (see the module docstring)."""
+
     config: EngineConfig
     args: ModelArgs
     model: Transformer
     tokenizer: object
     source: loading.ModelSource
-    policy: object
+    policy: DecodePolicy
     load_seconds: float = 0.0
     warnings: tuple[str, ...] = ()
     buffers: BufferPool = field(default_factory=lambda: BufferPool(0))  # kept K/V memory (KVCache)
@@ -64,6 +85,7 @@ class Engine:
         _, args = loading.load_config(source)
         tokenizer = loading.load_tokenizer(source)
         model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype], device=config.device)
+        use_onerow_linear(model)  # decode steps' weight products on the one-row kernel (spotlight/onerow.py)
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
             encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)
@@ -74,13 +96,65 @@ class Engine:
         return cls(config, args, model, tokenizer, source, policy, time.perf_counter() - started, tuple(warnings),
                    buffers)
 
+    def with_spotlight(self, spotlight: SpotlightConfig) -> "Engine":
+        """This engine decoding as `spotlight` says: itself when it already does, else a new
+        Engine sharing model, tokenizer and buffers with a new decode policy. The encoders are
+        kept when their code width fits, else found as `load` finds them. This engine is left
+        unchanged, so a reply still running on it is not affected."""
+        if not spotlight.enabled:
+            return self if self.decodes_densely else dataclasses.replace(self, policy=DenseDecode(), warnings=())
+        if self.spotlight == spotlight:
+            return self
+        selector = self.policy.selector if isinstance(self.policy, SpotlightDecode) else None
+        encoders = getattr(selector, "encoders", None)  # a CodeSelector's; other selectors have none
+        warnings = self.warnings
+        if encoders is None or encoders.spec.bits != spotlight.bits:
+            encoders, found = find_encoders(self.args, self.fingerprint, spotlight.bits, self.config.encoder_path)
+            encoders, warnings = encoders.to(self.config.device), tuple(found)
+        return dataclasses.replace(self, policy=SpotlightDecode(spotlight, CodeSelector(encoders)), warnings=warnings)
+
+    def warm_up(self) -> float:
+        """One short prefill + decode on a throwaway context; the seconds it took. The buffer
+        pool is prefaulted first; with Spotlight the decode also runs once through the sparse path
+        in every layer, so the first long reply does not pay the selection and attention kernels'
+        one-time start (~5 s on 2 cores when numba compiles them, milliseconds from its cache)."""
+        started = time.perf_counter()
+        self.prefault_buffers()  # the first resume's K/V memory, mapped in now rather than then
+        ids = self.encode("Warm up.") or [0]
+        sampling = SamplingConfig(max_new_tokens=_WARM_UP_TOKENS)
+        for _ in self.stream(self.new_context(len(ids) + _WARM_UP_TOKENS), ids, sampling):
+            pass
+        if self.spotlight is not None:
+            sparse = dataclasses.replace(self.spotlight, dense_layers=(), dense_below=0, sinks=1, window=1, k_min=1)
+            policy = SpotlightDecode(sparse, self.policy.selector)
+            context = self.new_context(len(ids) + _WARM_UP_TOKENS)
+            for _ in stream(self.model, self.tokenizer, context, ids, policy, sampling, eos_ids=set(),
+                            max_context=self.max_context, chunk=self.config.prefill_chunk):
+                pass
+        return time.perf_counter() - started
+
     @property
     def max_context(self) -> int:
         return self.args.max_seq_len
 
     @property
     def fingerprint(self) -> str:
+        """The model's fingerprint (`fingerprints.model`)."""
         return self.source.fingerprint
+
+    @property
+    def fingerprints(self) -> Fingerprints:
+        dtype = str(self.model.tok_embeddings.weight.dtype).removeprefix("torch.")
+        return Fingerprints(self.source.fingerprint, self.policy.encoder_fingerprint, dtype)
+
+    @property
+    def spotlight(self) -> SpotlightConfig | None:
+        """The Spotlight configuration the engine decodes with; None when it decodes densely."""
+        return self.policy.spotlight
+
+    @property
+    def decodes_densely(self) -> bool:
+        return self.spotlight is None
 
     @property
     def eos_ids(self) -> set[int]:
@@ -92,6 +166,7 @@ class Engine:
         return {i for i in ids if i is not None}
 
     def new_context(self, capacity: int = _INITIAL_CAPACITY) -> Context:
+        """An empty Context with room for `capacity` tokens (it grows beyond)."""
         cache = KVCache(self.args, capacity, dtype=self.model.tok_embeddings.weight.dtype,
                         device=self.config.device, code_words=self.policy.code_words, pool=self.buffers)
         return Context(cache)
@@ -103,57 +178,73 @@ class Engine:
             self.buffers.prefault(self.buffers.max_bytes // 2, 2)
 
     @functools.cached_property
-    def segments(self) -> SegmentEncoder:
+    def pieces(self) -> PieceTokenizer:
         """The tokenizer with each piece between added tokens memoised (spotlight/tokens.py)."""
-        return SegmentEncoder(self.tokenizer)
+        return PieceTokenizer(self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        return self.segments(text)
+        """Token ids of `text`, no special tokens added (memoised piece by piece)."""
+        return self.pieces(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def chat_text(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """A conversation rendered by the model's chat template, as text (special tokens included)."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def count_tokens(self, text: str) -> int:
+        return len(self.pieces(text))
 
     def token_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """(token ids of `text`, the character offset where each token starts), in one pass.
+        """(token ids of `text`, the char offset where each token starts), in one tokenizer pass.
 
-        Fast tokenizers report offsets themselves; for others each token's start is the length
-        of the text its predecessors decode to (exact for byte- and piece-level vocabularies)."""
-        tokenizer = self.tokenizer
-        if getattr(tokenizer, "is_fast", False):
-            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
-        starts, position = [], 0
-        for token in ids:
-            starts.append(position)
-            position += len(tokenizer.decode([token], skip_special_tokens=False))
-        return ids, starts
+        Needs a tokenizer that reports offsets (Hugging Face fast tokenizers, as `load` loads
+        them, and chat/testing.py's ByteTokenizer); the ids equal `encode(text)`."""
+        try:
+            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError as error:  # a slow (Python) Hugging Face tokenizer
+            raise ValueError("token offsets need a fast (Rust) Hugging Face tokenizer; give the model "
+                             "directory a tokenizer.json") from error
+        return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
+
+    def chat_text(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """A conversation rendered by the model's chat template, as text (special tokens included)."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
 
     def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template (its text, tokenised
         piece by piece: a long document already seen in this process is not tokenised again)."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return self.segments(text)
+        return self.pieces(text)
 
     def check_fits(self, n_tokens: int, reply_tokens: int = 0) -> None:
+        """Raise ContextTooLong unless `n_tokens` + `reply_tokens` fit the model's window."""
         if n_tokens + reply_tokens > self.max_context:
             raise ContextTooLong(
                 f"{n_tokens} prompt tokens + {reply_tokens} reply tokens exceed the model's context "
                 f"window of {self.max_context} tokens; shorten the input or lower max_new_tokens"
             )
 
+    def prefill(self, context: Context, ids: list[int], *, progress: ProgressFn | None = None,
+                cancel: threading.Event | None = None) -> bool:
+        """Append `ids` to the context in chunks of `config.prefill_chunk`; True when all were
+        appended, False when cancelled (the context then holds the chunks computed, consistently).
+        `progress(done, total)` is called after each chunk."""
+        start = len(context.tokens)
+        prefill(self.model, context, ids, self.policy, chunk=self.config.prefill_chunk, cancel=cancel,
+                progress=progress)
+        return len(context.tokens) == start + len(ids)
+
     def stream(
         self, context: Context, prompt_ids: list[int], sampling: SamplingConfig,
         *, cancel: threading.Event | None = None, progress: ProgressFn | None = None,
+        observers: Sequence[StepObserver] = (),
     ) -> Iterator[Step]:
+        """Prefill what the context lacks of `prompt_ids`, then decode: one Step per token, the
+        last with the finish reason and Stats. Each decode step reports to `observers`
+        (spotlight/observers.py) for this call only."""
         return stream(
             self.model, self.tokenizer, context, prompt_ids, self.policy, sampling,
             eos_ids=self.eos_ids, max_context=self.max_context, chunk=self.config.prefill_chunk,
-            cancel=cancel, progress=progress,
+            cancel=cancel, progress=progress, observers=observers,
         )
 
 

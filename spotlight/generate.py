@@ -3,7 +3,8 @@
 Shape legend: T new tokens, V vocabulary.
 
 `Context` pairs a KV cache with the token ids it holds, so a new prompt only prefills
-what differs from the cache (multi-turn chat, regenerate, edit). `stream()` yields one
+what differs from the cache (multi-turn chat, regenerate, edit); its row API (`rows`,
+`append_rows`, `mark_span`) is how stored spans leave and enter it. `stream()` yields one
 `Step` per generated token with the text it adds; the last step carries the finish
 reason and timings.
 """
@@ -12,13 +13,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, KVRows
 from .config import SamplingConfig
 from .errors import ContextTooLong
+from .observers import StepObserver
+from .twolevel import code_summary
 
 
 @dataclass
@@ -37,12 +41,43 @@ class Context:
         return n
 
     def truncate(self, length: int) -> None:
+        """Forget every token from `length` on (edit, regenerate)."""
         self.cache.truncate(length)
         del self.tokens[length:]
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for `n_tokens` in total (one allocation ahead of appending many rows)."""
+        self.cache.reserve(n_tokens)
+
+    def rows(self, start: int, end: int) -> KVRows:
+        """Copies of rows [start, end): K/V, token ids, and the key codes with their summary
+        (`twolevel.code_summary`) when the cache has codes."""
+        k, v, codes = self.cache.rows(start, end)  # (L, Hkv, T, D) x2, (L, Hkv, W, T) or None
+        summary = None if codes is None else code_summary(codes)  # (L, Hkv, B)
+        return KVRows(k=k, v=v, token_ids=list(self.tokens[start:end]), key_codes=codes, code_summary=summary)
+
+    def append_rows(self, rows: KVRows, n: int | None = None) -> None:
+        """Append the first `n` rows (default all) of `rows`, token ids included. Codes are
+        numpy uint64 (or a tensor of the same words) for either device; a cache without codes
+        ignores them."""
+        n = len(rows) if n is None else n
+        if not 0 <= n <= len(rows) or len(rows.token_ids) != len(rows):
+            raise ValueError(f"cannot append {n} of {len(rows)} rows holding {len(rows.token_ids)} token ids")
+        codes = None if rows.key_codes is None else rows.key_codes[..., :n]  # (L, Hkv, W, n)
+        self.cache.load(rows.k[:, :, :n], rows.v[:, :, :n], codes)  # k, v: (L, Hkv, n, D)
+        self.tokens.extend(int(token) for token in rows.token_ids[:n])
+
+    def mark_span(self, start: int, end: int, summary: np.ndarray | None = None) -> None:
+        """Register tokens [start, end) as one stored span for two-level retrieval (a span laid
+        out differently before is replaced); `summary` (L, Hkv, B) is its stored code summary,
+        taken as is (else its codes are counted when first needed)."""
+        self.cache.spans.cover(start, end, summary)
 
 
 @dataclass
 class Stats:
+    """Timings of one `stream` call (on its last Step)."""
+
     cached_tokens: int = 0  # prompt tokens reused from the cache
     prefill_tokens: int = 0  # prompt tokens computed now
     prefill_seconds: float = 0.0
@@ -60,6 +95,8 @@ class Stats:
 
 @dataclass
 class Step:
+    """One generated token and the text it adds; the last step has `finish` and `stats`."""
+
     token: int | None
     text: str
     finish: str | None = None  # None while running; "eos" | "stop" | "length" | "cancelled"
@@ -74,7 +111,8 @@ def prefill(
     model, context: Context, ids: list[int], policy, *, chunk: int,
     cancel: threading.Event | None = None, progress: ProgressFn | None = None,
 ) -> torch.Tensor | None:
-    """Append `ids` to the context in chunks; logits (V,) of the last token, None if cancelled.
+    """Append `ids` to the context in chunks; logits (V,) of the last token, None if cancelled
+    (or `ids` is empty).
 
     Between chunks the cache is consistent, so a cancelled prefill keeps what it computed.
     """
@@ -180,8 +218,10 @@ def stream(
     model, tokenizer, context: Context, prompt_ids: list[int], policy, sampling: SamplingConfig,
     *, eos_ids: set[int], max_context: int, chunk: int = 512,
     cancel: threading.Event | None = None, progress: ProgressFn | None = None,
+    observers: Sequence[StepObserver] = (),
 ) -> Iterator[Step]:
-    """Prefill what the cache lacks of `prompt_ids`, then decode token by token."""
+    """Prefill what the cache lacks of `prompt_ids`, then decode token by token; every decode
+    step reports to `observers` (spotlight/observers.py)."""
     if len(prompt_ids) >= max_context:
         raise ContextTooLong(
             f"the prompt has {len(prompt_ids)} tokens but the model's context window is {max_context}; "
@@ -196,11 +236,12 @@ def stream(
     if logits is None:
         yield Step(None, "", "cancelled", stats)
         return
-    yield from _decode(model, tokenizer, context, logits, policy, sampling, eos_ids, max_context, cancel, stats)
+    yield from _decode(model, tokenizer, context, logits, policy, sampling, eos_ids, max_context, cancel, stats,
+                       tuple(observers))
 
 
 @torch.inference_mode()
-def _decode(model, tokenizer, context, logits, policy, sampling, eos_ids, max_context, cancel, stats):
+def _decode(model, tokenizer, context, logits, policy, sampling, eos_ids, max_context, cancel, stats, observers):
     sampler = Sampler(sampling, logits.shape[-1], context.tokens)
     text = TextStream(tokenizer, sampling.stop_strings)
     token_buf = torch.zeros(1, dtype=torch.long)  # (1,) reused every step
@@ -229,7 +270,9 @@ def _decode(model, tokenizer, context, logits, policy, sampling, eos_ids, max_co
         stats.decode_seconds = time.perf_counter() - started
         yield Step(token, piece)
         token_buf[0] = token
-        logits = model(token_buf, context.cache, policy)  # (V,)
+        logits = model(token_buf, context.cache, policy, observers=observers)  # (V,)
         context.tokens.append(token)
+        for observer in observers:
+            observer.on_step(len(context.tokens))
     stats.decode_seconds = time.perf_counter() - started
     yield Step(None, text.finish(), finish, stats)

@@ -7,6 +7,9 @@ Batch size is 1 throughout: one conversation per forward.
 Prefill chunks (T > 1) always use dense causal attention over the cache. A decode step
 (T = 1) hands attention to the `DecodePolicy` (dense or Spotlight, see attention.py),
 which also sees every key as it enters the cache (to compute its code once).
+
+Plain torch: the CPU decode fast path for the weight products (spotlight/onerow.py) is swapped
+in at load time.
 """
 from __future__ import annotations
 
@@ -16,43 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import linear as cpu_linear
-from kernels.cpu import HAVE_NUMBA
-
 from .config import ModelArgs, RopeScaling
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose one-row fp32 CPU inference (a decode step, the last prefill position)
-    runs kernels.linear's matrix-vector loop instead of torch's GEMV.
-
-    Why: decode reads every weight once per token, so it is bound by weight bandwidth; on this
-    CPU class torch's (1, E) @ (E, F) path streams ~11 GB/s and the numba loop ~25 GB/s
-    (bench/spotlight_speed.py). Results equal F.linear's up to float summation order.
-    Anything else (T > 1, autograd, other dtypes or devices) is F.linear.
-    """
-
-    _matvec: cpu_linear.MatVec | None = None  # numpy views of weight and bias, made at the first one-row call
-    _matvec_of: tuple = ()  # the (weight, bias) memory they view
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: self._parameters, not self.weight: nn.Module's attribute lookup costs ~1 us a time,
-        # and a decode step makes ~120 of these calls
-        weight, bias = self._parameters["weight"], self._parameters["bias"]
-        if (x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and HAVE_NUMBA and x.device.type == "cpu" and not torch.is_grad_enabled()):
-            out = torch.empty(1, self.out_features)  # (1, F)
-            self._matvec_for(weight, bias)(x.detach().numpy().reshape(-1), out.numpy().reshape(-1))
-            return out
-        return F.linear(x, weight, bias)
-
-    def _matvec_for(self, weight: torch.Tensor, bias: torch.Tensor | None) -> cpu_linear.MatVec:
-        """The one-row product of these weight and bias tensors (remade when they get new memory)."""
-        memory = (weight.data_ptr(), None if bias is None else bias.data_ptr())
-        if memory != self._matvec_of:
-            self._matvec = cpu_linear.MatVec(weight.detach(), None if bias is None else bias.detach())
-            self._matvec_of = memory
-        return self._matvec
 
 
 class RMSNorm(nn.Module):
@@ -116,8 +83,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = Linear(args.dim, qkv_out, bias=args.qkv_bias)
-        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.wqkv = nn.Linear(args.dim, qkv_out, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Post-RoPE q (H, T, D), k (Hkv, T, D) and v (Hkv, T, D) of the new tokens x (T, E)."""
@@ -128,15 +95,17 @@ class Attention(nn.Module):
         qk = apply_rope(qk.view(T, H + Hkv, D).transpose(0, 1), cos, sin)  # (H + Hkv, T, D)
         return qk[:H], qk[H:], v.view(T, Hkv, D).transpose(0, 1)  # (H, T, D), (Hkv, T, D) x2
 
-    def forward(self, x, cos, sin, cache, policy, mask=None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, policy, mask=None, last_only: bool = False, observers=()) -> torch.Tensor:
         """(T, E), or with `last_only` (1, E): the last position's output only (every key and
-        value still enters the cache)."""
+        value still enters the cache). A decode step tells `observers` what it read."""
         T = x.shape[0]
         q, k, v = self.project(x, cos, sin)
         cache.write(self.layer, k, v)
         policy.on_new_tokens(self.layer, q, k, cache)
         if T == 1:
             out = policy.decode(self.layer, q, cache)  # (H, 1, D)
+            for observer in observers:
+                observer.on_layer(self.layer, q, cache, policy.selection(self.layer))
         elif last_only:  # the last query sees every cached key: no mask
             out = dense_decode(q[:, -1:], cache.keys(self.layer, T), cache.values(self.layer, T))  # (H, 1, D)
         else:
@@ -230,8 +199,8 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.width = args.intermediate_size
-        self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.w_down = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.w_gate_up = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.w_down = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.width, dim=-1)  # (T, F) x2
@@ -246,10 +215,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, cache, policy, mask=None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, policy, mask=None, last_only: bool = False, observers=()) -> torch.Tensor:
         """(T, E), or (1, E) for the last position with `last_only` (see Attention.forward)."""
         h = x[-1:] if last_only else x
-        h = h + self.attention(self.attention_norm(x), cos, sin, cache, policy, mask, last_only)
+        h = h + self.attention(self.attention_norm(x), cos, sin, cache, policy, mask, last_only, observers)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -262,7 +231,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = Linear(args.dim, args.vocab_size, bias=False)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.inv_freq = rope_inv_freq(args)  # (D/2,) fp32; a plain attribute so .to(dtype) keeps it fp32
@@ -275,10 +244,11 @@ class Transformer(nn.Module):
             dtype, device = self.tok_embeddings.weight.dtype, self.tok_embeddings.weight.device
             self.rope_cos, self.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
 
-    def forward(self, tokens: torch.Tensor, cache, policy, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache, policy, *, all_logits: bool = False, observers=()) -> torch.Tensor:
         """tokens (T,) int64 at positions [cache.length, cache.length + T).
 
-        Returns logits (V,) of the last position, or (T, V) with `all_logits`.
+        Returns logits (V,) of the last position, or (T, V) with `all_logits`. A decode step
+        (T = 1) calls `observers` (spotlight/observers.py StepObserver) after each layer.
         """
         T = tokens.shape[0]
         tokens = tokens.to(self.tok_embeddings.weight.device)  # no copy when already there
@@ -292,7 +262,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             # Only the last position's logits are wanted: the last layer's attention output and MLP
             # run for it alone (its keys and values all enter the cache; ~1/L of a prefill saved).
-            x = block(x, cos, sin, cache, policy, mask, last_only=i == last and not all_logits)
+            x = block(x, cos, sin, cache, policy, mask, i == last and not all_logits, observers)
         cache.advance(T)
         logits = self.output(self.norm(x))  # (T or 1, V)
         return logits if all_logits else logits[0]

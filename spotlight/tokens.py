@@ -5,13 +5,13 @@ Every turn renders the whole conversation through the chat template and tokenise
 several renderings per turn. A fast (Rust) Hugging Face tokenizer splits its input on the added
 tokens (`<|im_start|>`, ...) *before* anything else and then normalises, pre-tokenises and
 encodes each piece on its own, so the ids of a text are the concatenation of the ids of its
-pieces. `SegmentEncoder` does that split itself and memoises each piece's ids: the document
+pieces. `PieceTokenizer` does that split itself and memoises each piece's ids: the document
 is tokenised once per process, a new message costs only its own text.
 
 Exactness needs the tokenizer's added tokens to match the raw text with no side effects:
 none may strip neighbouring whitespace (`lstrip` / `rstrip`), need word boundaries
 (`single_word`) or match normalised text (`normalized`). Otherwise, or for a slow tokenizer,
-the encoder falls back to tokenising the whole text (`exact` says which); tests/test_tokens.py
+it falls back to tokenising the whole text (`exact` says which); tests/test_tokens.py
 checks both paths against the tokenizer itself.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import re
 MEMO_SIZE = 256  # pieces remembered: documents, system prompts, messages of the open conversations
 
 
-class SegmentEncoder:
-    """`encoder(text)` == `tokenizer.encode(text, add_special_tokens=False)`, memoised per piece."""
+class PieceTokenizer:
+    """`pieces(text)` == `tokenizer.encode(text, add_special_tokens=False)`, memoised per piece."""
 
     def __init__(self, tokenizer, memo_size: int = MEMO_SIZE):
         self.tokenizer = tokenizer

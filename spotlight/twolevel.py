@@ -1,30 +1,30 @@
-"""Two-level retrieval over cache segments: pick segments by their code summaries, then tokens.
+"""Two-level retrieval over cache spans: pick spans by their code summaries, then tokens.
 
 Shape legend: L layers, H query heads, Hkv KV heads, W packed words, B = 64 W code bit positions,
-S segments (Scap allocated), N cached tokens (including the one being decoded), R ranges per head,
+S spans (Scap allocated), N cached tokens (including the one being decoded), R ranges per head,
 T tokens of one span.
 
-A KV cache with key codes in host memory carries a `SegmentTable` (`KVCache.segments`): ascending,
+A KV cache with key codes in host memory carries a `SpanTable` (`KVCache.spans`): ascending,
 disjoint token spans, one per stored memory span (chat/kv.py: the prefix cut at document segment
 ends, then each chat turn, long parts in fixed-size blocks), each with its own code table (its
 range of cache.codes) and a summary per layer and KV head: ones[l, h, s, b], how many of the
-segment's tokens have code bit b set. Tokens outside every segment (the turn being written or
+span's tokens have code bit b set. Tokens outside every span (the turn being written or
 generated, not stored yet) are always scanned exactly.
 
     tokens:  [ prompt + doc seg 0 | doc seg 1 | ... | turn | turn | new turn, not stored | new ]
-               segments: by summary first, then the tokens inside the chosen ones   always scanned
+               spans: by summary first, then the tokens inside the chosen ones   always scanned
 
-`TwoLevelScan.select` (CodeSelector.select_segments, which SpotlightDecode calls from
-`SpotlightConfig.two_level_from` cached tokens on) scores each segment by the mean token score
-its summary implies (kernels.segment_scores), takes per KV head the best segments until their
+`TwoLevelScan.select` (CodeSelector.select_spans, which SpotlightDecode calls from
+`SpotlightConfig.two_level_from` cached tokens on) scores each span by the mean token score
+its summary implies (kernels.span_scores), takes per KV head the best spans until their
 middle tokens reach `multiple` x the retrieved budget, and runs the flat selection (sinks +
-window forced, top `retrieved` by score desc, index asc) over those segments plus every token
-outside segments (kernels.ranges_score_select). The flat scan stays the reference: with every
-segment chosen, both return identical indices.
+window forced, top `retrieved` by score desc, index asc) over those spans plus every token
+outside spans (kernels.ranges_score_select). The flat scan stays the reference: with every
+span chosen, both return identical indices.
 
 Summaries follow cache.codes incrementally: `sync(layer, codes, n)` (at select time) counts the
 bits of the tokens that arrived since that layer's last sync, so prefill and decode update them
-the same way and no step recounts a segment; a span read from disk brings its stored summary
+the same way and no step recounts a span; a span read from disk brings its stored summary
 (`add(..., ones=)`), which is taken as is. `KVCache.truncate` truncates the table with the cache.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 
 import kernels
 
-_GROW = 64  # segment slots are allocated in multiples of this
+_GROW = 64  # span slots are allocated in multiples of this
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class TwoLevelConfig:
     """How widely the two-level scan reads (measured: bench/retrieval.py, two-level part). When it
     runs at all is `SpotlightConfig.two_level_from`."""
 
-    multiple: float = 2.0  # chosen segments cover this multiple of the retrieved budget per KV head
+    multiple: float = 2.0  # chosen spans cover this multiple of the retrieved budget per KV head
 
     def __post_init__(self):
         if self.multiple < 1:
@@ -59,8 +59,8 @@ def code_summary(codes: np.ndarray) -> np.ndarray:
     return ones
 
 
-class SegmentTable:
-    """Segments of one cache and their per-bit code summaries (plain numpy; device-free)."""
+class SpanTable:
+    """Spans of one cache and their per-bit code summaries (plain numpy; device-free)."""
 
     def __init__(self):
         self.count = 0
@@ -68,7 +68,7 @@ class SegmentTable:
         self._ends = np.zeros(_GROW, np.int64)  # (Scap,)
         self.ones: np.ndarray | None = None  # (L, Hkv, Scap, B) int32, made by bind()
         self.summarized: np.ndarray | None = None  # (L,) int64: tokens [0, summarized[l]) are counted
-        self._stale: list[set[int]] = []  # per layer: segments to recount from their start
+        self._stale: list[set[int]] = []  # per layer: spans to recount from their start
 
     def __len__(self) -> int:
         return self.count
@@ -82,32 +82,32 @@ class SegmentTable:
         return self._ends[: self.count]  # (S,)
 
     def add(self, start: int, end: int, ones: np.ndarray | None = None) -> None:
-        """Register the span [start, end) as a segment; spans come in ascending, disjoint order.
+        """Register the tokens [start, end) as a span; spans come in ascending, disjoint order.
 
-        `ones` (L, Hkv, B) int32: the segment's summary when it is known (a span read from disk,
+        `ones` (L, Hkv, B) int32: the span's summary when it is known (a span read from disk,
         whose codes are already in the cache); a layer whose counts reach exactly `start` takes
-        it as is, any other layer counts the segment's codes at its next sync.
+        it as is, any other layer counts the span's codes at its next sync.
         """
         last = int(self._ends[self.count - 1]) if self.count else 0
         if not last <= start < end:
-            raise ValueError(f"segment [{start}, {end}) must be non-empty and start at or after {last}")
+            raise ValueError(f"span [{start}, {end}) must be non-empty and start at or after {last}")
         if self.count == self._starts.size:
             self._grow()
-        segment = self.count
-        self._starts[segment], self._ends[segment] = start, end
+        span = self.count
+        self._starts[span], self._ends[span] = start, end
         self.count += 1
         if self.summarized is None:
             return
         for layer in np.flatnonzero(self.summarized > start):  # tokens already counted past its start
-            self._stale[layer].add(segment)
+            self._stale[layer].add(span)
         if ones is not None:
-            assert ones.shape == self.ones[:, :, segment].shape, f"summary {ones.shape} for {self.ones.shape}"
+            assert ones.shape == self.ones[:, :, span].shape, f"summary {ones.shape} for {self.ones.shape}"
             for layer in np.flatnonzero(self.summarized == start):
-                self.ones[layer, :, segment] = ones[layer]  # (Hkv, B)
+                self.ones[layer, :, span] = ones[layer]  # (Hkv, B)
                 self.summarized[layer] = end
 
     def cover(self, start: int, end: int, ones: np.ndarray | None = None) -> None:
-        """Make [start, end) a segment unless it already is one. Segments reaching past `start`
+        """Make [start, end) a span unless it already is one. Spans reaching past `start`
         come from an older layout of those tokens (a reply being regenerated) and are dropped or
         clipped first."""
         at = int(np.searchsorted(self.starts, start))
@@ -118,8 +118,8 @@ class SegmentTable:
         self.add(start, end, ones)
 
     def truncate(self, length: int) -> None:
-        """Forget segments and counts from token `length` on (call with KVCache.truncate)."""
-        keep = int(np.searchsorted(self.starts, length, side="left"))  # segments starting before length
+        """Forget spans and counts from token `length` on (call with KVCache.truncate)."""
+        keep = int(np.searchsorted(self.starts, length, side="left"))  # spans starting before length
         if self.ones is not None:
             self.ones[:, :, keep : self.count] = 0
         self.count = keep
@@ -134,17 +134,17 @@ class SegmentTable:
                 stale.intersection_update(range(keep))
 
     def lengths(self, n: int) -> np.ndarray:
-        """Tokens of each segment among the first n: (S,) int64."""
+        """Tokens of each span among the first n: (S,) int64."""
         return np.clip(np.minimum(self.ends, n) - self.starts, 0, None)
 
     def summary(self, layer: int) -> np.ndarray:
-        """ones of one layer: (Hkv, Scap, B) int32 view (the first S segments are valid)."""
+        """ones of one layer: (Hkv, Scap, B) int32 view (the first S spans are valid)."""
         return self.ones[layer]
 
     def sync(self, layer: int, codes, n: int) -> None:
         """Count the code bits of tokens [summarized[layer], n) of `layer`; codes (Hkv, W, Ncap) uint64."""
         if self.ones is None:
-            raise RuntimeError("SegmentTable.bind(layers, kv_heads, words) must run before sync")
+            raise RuntimeError("SpanTable.bind(layers, kv_heads, words) must run before sync")
         done = int(self.summarized[layer])
         for s in self._stale[layer]:  # added behind the watermark or clipped: recount up to it
             self.ones[layer, :, s] = 0
@@ -152,7 +152,7 @@ class SegmentTable:
         self._stale[layer].clear()
         if n <= done:
             return
-        first = int(np.searchsorted(self.ends, done, side="right"))  # segments ending after `done`
+        first = int(np.searchsorted(self.ends, done, side="right"))  # spans ending after `done`
         for s in range(first, self.count):
             if self._starts[s] >= n:
                 break
@@ -182,9 +182,9 @@ class TwoLevelScan:
     def __init__(self, config: TwoLevelConfig = TwoLevelConfig()):
         self.config = config
         self._ranges = None  # (lo, hi) (Hkv, 2 Scap + 1) int64 and count (Hkv,) int64
-        self._segment_scores = None  # (Hkv, S) float64
+        self._span_scores = None  # (Hkv, S) float64
 
-    def select(self, layer: int, q_codes, k_codes, table: SegmentTable, n: int, retrieved: int, sinks: int,
+    def select(self, layer: int, q_codes, k_codes, table: SpanTable, n: int, retrieved: int, sinks: int,
                window: int, out: np.ndarray, scratch) -> np.ndarray:
         """int32 (Hkv, K) in the flat layout: q_codes (H, W), k_codes (Hkv, W, Ncap) of `layer`;
         `out` (Hkv, K) and `scratch` (kernels.make_scratch) are the caller's reused buffers."""
@@ -192,15 +192,15 @@ class TwoLevelScan:
         layout = kernels.selection_layout(n, retrieved, sinks, window)
         need = max(layout.retrieved, int(np.ceil(self.config.multiple * layout.retrieved)))
         lo, hi, count, scores = self._buffers(k_codes.shape[0], table)
-        kernels.segment_scores(q_codes, table.summary(layer), table.lengths(n), out=scores)  # (Hkv, S)
+        kernels.span_scores(q_codes, table.summary(layer), table.lengths(n), out=scores)  # (Hkv, S)
         kernels.pick_ranges(scores, table.starts, table.ends, layout.sinks_end, layout.window_start, need, lo, hi, count)
         return kernels.ranges_score_select(q_codes, k_codes, n, lo, hi, count, retrieved, sinks, window, out=out,
                                            scratch=scratch)  # (Hkv, K)
 
-    def _buffers(self, hkv: int, table: SegmentTable):
-        slots = 2 * table.ones.shape[2] + 1  # at most one gap per segment, the segment, and the tail
+    def _buffers(self, hkv: int, table: SpanTable):
+        slots = 2 * table.ones.shape[2] + 1  # at most one gap per span, the span, and the tail
         if self._ranges is None or self._ranges[0].shape != (hkv, slots):
             self._ranges = (np.zeros((hkv, slots), np.int64), np.zeros((hkv, slots), np.int64), np.zeros(hkv, np.int64))
-        if self._segment_scores is None or self._segment_scores.shape != (hkv, len(table)):
-            self._segment_scores = np.empty((hkv, len(table)), np.float64)  # (Hkv, S): changes when segments do
-        return (*self._ranges, self._segment_scores)
+        if self._span_scores is None or self._span_scores.shape != (hkv, len(table)):
+            self._span_scores = np.empty((hkv, len(table)), np.float64)  # (Hkv, S): changes when spans do
+        return (*self._ranges, self._span_scores)

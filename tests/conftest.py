@@ -57,12 +57,13 @@ def tiny_pair(arch: str, seed: int = 0, **overrides):
 
     from spotlight.config import ModelArgs
     from spotlight.model import build_model
+    from spotlight.onerow import use_onerow_linear
 
     torch.manual_seed(seed)
     config = tiny_hf_config(arch, **overrides)
     ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     args = ModelArgs.from_hf_config(config)
-    ours = build_model(args, dict(ref.state_dict()))
+    ours = use_onerow_linear(build_model(args, dict(ref.state_dict())))  # as Engine.load builds it
     return ref, ours
 
 

@@ -34,7 +34,7 @@ class EchoEngine(Engine):
     delay: float = 0.0
 
     def stream(self, context, prompt_ids: list[int], sampling: SamplingConfig, *,
-               cancel: threading.Event | None = None, progress=None) -> Iterator[Step]:
+               cancel: threading.Event | None = None, progress=None, observers=()) -> Iterator[Step]:
         stats = Stats()
         new_ids = sync_prompt(context, prompt_ids)
         stats.cached_tokens = len(prompt_ids) - len(new_ids)

@@ -244,7 +244,7 @@ def two_level(engine):
 
 def table(context):
     """The cache's segments with every layer's summaries brought up to date: (boundaries, ones (L, Hkv, S, B))."""
-    segments, cache = context.cache.segments, context.cache
+    segments, cache = context.cache.spans, context.cache
     for layer in range(cache.args.n_layers):
         segments.sync(layer, cache.codes[layer], cache.length)
     return list(zip(segments.starts.tolist(), segments.ends.tolist())), segments.ones[:, :, : len(segments)].copy()
@@ -275,7 +275,7 @@ def test_each_document_segment_is_a_span_and_the_cache_segments_survive_a_restar
     second = make(tmp_path, engine)
     assert second.resume(session_id).restored_tokens == len(full)
     restored = second._pool.get(session_id)
-    assert restored.cache.segments.summarized.tolist() == [len(full)] * 2  # summaries read, not counted
+    assert restored.cache.spans.summarized.tolist() == [len(full)] * 2  # summaries read, not counted
     restored_segments, restored_ones = table(restored)
     assert restored_segments == fresh_segments
     np.testing.assert_array_equal(restored_ones, fresh_ones)

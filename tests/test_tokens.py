@@ -1,9 +1,9 @@
-"""SegmentEncoder: piecewise, memoised tokenisation equals the tokenizer's own (issue #5, resume speed)."""
+"""PieceTokenizer: piecewise, memoised tokenisation equals the tokenizer's own (issue #5, resume speed)."""
 import copy
 
 import pytest
 
-from spotlight.tokens import SegmentEncoder
+from spotlight.tokens import PieceTokenizer
 
 pytestmark = pytest.mark.model
 
@@ -26,10 +26,10 @@ def tokenizer(engine):
 
 
 def test_piecewise_encoding_equals_the_tokenizer(tokenizer, essay_text):
-    encoder = SegmentEncoder(tokenizer)
-    assert encoder.exact
+    pieces = PieceTokenizer(tokenizer)
+    assert pieces.exact
     for text in TEXTS + [essay_text[:20000], f"<|im_start|>system\n{essay_text[:5000]}<|im_end|>\n<|im_start|>user"]:
-        assert encoder(text) == tokenizer.encode(text, add_special_tokens=False), repr(text[:60])
+        assert pieces(text) == tokenizer.encode(text, add_special_tokens=False), repr(text[:60])
 
 
 def test_chat_ids_equal_the_templates_own_tokenisation(engine, essay_text):
@@ -43,12 +43,12 @@ def test_chat_ids_equal_the_templates_own_tokenisation(engine, essay_text):
 
 
 def test_a_long_piece_is_tokenised_once(tokenizer, essay_text):
-    encoder = SegmentEncoder(tokenizer)
+    pieces = PieceTokenizer(tokenizer)
     text = f"<|im_start|>system\n{essay_text[:20000]}<|im_end|>\n"
-    first = encoder(text)
-    second = encoder(text + "<|im_start|>user\nanother question<|im_end|>\n")
+    first = pieces(text)
+    second = pieces(text + "<|im_start|>user\nanother question<|im_end|>\n")
     assert second[: len(first)] == first
-    info = encoder._piece.cache_info()
+    info = pieces._piece.cache_info()
     # first call: "system\n<essay>" and "\n" tokenised; second: both found again, "user\n..." new, "\n" found
     assert (info.hits, info.misses) == (3, 3)
 
@@ -58,7 +58,7 @@ def test_tokenizers_with_whitespace_eating_tokens_fall_back_to_whole_text(tokeni
 
     stripping = copy.deepcopy(tokenizer)
     stripping.add_tokens([AddedToken("<x>", lstrip=True, rstrip=True)])
-    encoder = SegmentEncoder(stripping)
-    assert not encoder.exact
+    pieces = PieceTokenizer(stripping)
+    assert not pieces.exact
     for text in ("a <x> b", "a<x>b", " <x> ", "<|im_start|>a <x>\n<|im_end|>"):
-        assert encoder(text) == stripping.encode(text, add_special_tokens=False)
+        assert pieces(text) == stripping.encode(text, add_special_tokens=False)

@@ -1,4 +1,4 @@
-"""Two-level retrieval: segment summaries and scores, ranged selection, the decode path. Issue #6, parts 3-4."""
+"""Two-level retrieval: span summaries and scores, ranged selection, the decode path. Issue #6, parts 3-4."""
 import numpy as np
 import pytest
 import torch
@@ -10,7 +10,7 @@ from spotlight.attention import CodeSelector, SpotlightDecode, StepRecord
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.hashing import EncoderSpec, Encoders
-from spotlight.twolevel import SegmentTable, TwoLevelConfig, code_summary
+from spotlight.twolevel import SpanTable, TwoLevelConfig, code_summary
 
 SINKS, WINDOW = 4, 64
 
@@ -24,7 +24,7 @@ def random_codes(rng, hkv=3, group=3, words=2, capacity=5000, distinct=0):
 
 
 def ranges_for(chosen_by_head, starts, ends, lo, hi, slots):
-    """Every token outside the segments plus the chosen segments, as kernels.pick_ranges lays them out."""
+    """Every token outside the spans plus the chosen spans, as kernels.pick_ranges lays them out."""
     hkv = len(chosen_by_head)
     rl, rh, rc = np.zeros((hkv, slots), np.int64), np.zeros((hkv, slots), np.int64), np.zeros(hkv, np.int64)
     for h, chosen in enumerate(chosen_by_head):
@@ -50,7 +50,7 @@ SEGMENTS = ([100, 700, 1500, 3000], [600, 1400, 2900, 4500])  # a gap before eac
 
 @pytest.mark.parametrize("n,k,distinct", [(4800, 96, 0), (4800, 96, 4), (4800, 4000, 0), (4700, 1, 1), (200, 30, 0)])
 @pytest.mark.parametrize("backend", ["cpu", "numpy"])
-def test_every_segment_chosen_equals_the_flat_scan(backend, n, k, distinct):
+def test_every_span_chosen_equals_the_flat_scan(backend, n, k, distinct):
     q, codes = random_codes(np.random.default_rng(n + k), distinct=distinct)
     starts, ends = map(np.array, SEGMENTS)
     layout = kernels.selection_layout(n, k, SINKS, WINDOW)
@@ -80,10 +80,10 @@ def test_ranged_selection_equals_brute_force_over_the_scanned_tokens(distinct):
 
 
 def test_tail_and_gaps_are_always_scanned():
-    """Tokens outside segments (prompt before, chat turns after) win when they score best, whatever is chosen."""
+    """Tokens outside spans (prompt before, chat turns after) win when they score best, whatever is chosen."""
     q, codes = random_codes(np.random.default_rng(1), hkv=1, group=1, words=1, capacity=5000)
     codes[0, 0, 4600:4620] = q[0, 0]  # perfect matches in the chat tail
-    codes[0, 0, 50:55] = q[0, 0]  # ... and in the prompt gap before the first segment
+    codes[0, 0, 50:55] = q[0, 0]  # ... and in the prompt gap before the first span
     starts, ends = map(np.array, SEGMENTS)
     layout = kernels.selection_layout(4800, 25, SINKS, WINDOW)
     rl, rh, rc = ranges_for([set()], starts, ends, layout.sinks_end, layout.window_start, 9)
@@ -93,8 +93,8 @@ def test_tail_and_gaps_are_always_scanned():
 
 def test_pick_ranges_covers_the_need_and_matches_numpy():
     rng = np.random.default_rng(2)
-    starts, ends = np.arange(0, 10000, 500) + 40, np.arange(500, 10001, 500) + 20  # 20 segments, gaps of 20
-    scores = rng.integers(0, 5, size=(3, starts.size)).astype(np.float64)  # ties: lower segment first
+    starts, ends = np.arange(0, 10000, 500) + 40, np.arange(500, 10001, 500) + 20  # 20 spans, gaps of 20
+    scores = rng.integers(0, 5, size=(3, starts.size)).astype(np.float64)  # ties: lower span first
     for need in [1, 900, 5000, 10**6]:
         got = [np.zeros((3, 41), np.int64), np.zeros((3, 41), np.int64), np.zeros(3, np.int64)]
         ref = [np.zeros((3, 41), np.int64), np.zeros((3, 41), np.int64), np.zeros(3, np.int64)]
@@ -119,7 +119,7 @@ def _numpy_pick(*args):
         ranges.HAVE_NUMBA = original
 
 
-def test_segment_scores_are_the_mean_token_scores():
+def test_span_scores_are_the_mean_token_scores():
     q, codes = random_codes(np.random.default_rng(3), words=2)
     starts, ends = map(np.array, SEGMENTS)
     ones = np.zeros((3, 4, 128), np.int32)
@@ -127,11 +127,11 @@ def test_segment_scores_are_the_mean_token_scores():
         kernels.bit_counts(codes, starts[s], ends[s], ones[:, s])
     scores = kernels.scores(q, codes, 5000)
     expected = np.array([[scores[h, a:b].mean() for a, b in zip(starts, ends)] for h in range(3)])
-    np.testing.assert_allclose(kernels.segment_scores(q, ones, ends - starts), expected, rtol=1e-12)
+    np.testing.assert_allclose(kernels.span_scores(q, ones, ends - starts), expected, rtol=1e-12)
     original = ranges.HAVE_NUMBA
     ranges.HAVE_NUMBA = False
     try:
-        np.testing.assert_allclose(ranges.segment_scores(q, ones, ends - starts), expected, rtol=1e-12)
+        np.testing.assert_allclose(ranges.span_scores(q, ones, ends - starts), expected, rtol=1e-12)
     finally:
         ranges.HAVE_NUMBA = original
 
@@ -139,8 +139,8 @@ def test_segment_scores_are_the_mean_token_scores():
 # ----------------------------------------------------------------------------- summaries
 
 
-def at_once(table: SegmentTable, codes_by_layer, n: int) -> np.ndarray:
-    """(L, Hkv, S, B) bit counts of every segment's first-n tokens, computed from scratch."""
+def at_once(table: SpanTable, codes_by_layer, n: int) -> np.ndarray:
+    """(L, Hkv, S, B) bit counts of every span's first-n tokens, computed from scratch."""
     out = np.zeros(table.ones.shape[:2] + (len(table), table.ones.shape[3]), np.int32)
     for layer, codes in enumerate(codes_by_layer):
         for s, (a, b) in enumerate(zip(table.starts, table.ends)):
@@ -151,7 +151,7 @@ def at_once(table: SegmentTable, codes_by_layer, n: int) -> np.ndarray:
 def test_summaries_updated_incrementally_equal_summaries_computed_at_once():
     rng = np.random.default_rng(4)
     codes = [rng.integers(0, 2**64, size=(3, 2, 6000), dtype=np.uint64) for _ in range(2)]
-    table = SegmentTable()
+    table = SpanTable()
     table.bind(layers=2, kv_heads=3, words=2)
     table.add(10, 300)
     n = 0
@@ -163,7 +163,7 @@ def test_summaries_updated_incrementally_equal_summaries_computed_at_once():
         for layer in range(2):
             table.sync(layer, codes[layer], n)
         np.testing.assert_array_equal(table.ones[:, :, : len(table)], at_once(table, codes, n))
-    table.truncate(1200)  # regenerate: the last segment is clipped, tokens after 1200 change
+    table.truncate(1200)  # regenerate: the last span is clipped, tokens after 1200 change
     codes[0][:, :, 1200:] = rng.integers(0, 2**64, size=(3, 2, 4800), dtype=np.uint64)
     table.add(1500, 1700)
     for layer in range(2):
@@ -172,14 +172,14 @@ def test_summaries_updated_incrementally_equal_summaries_computed_at_once():
     np.testing.assert_array_equal(table.ones[:, :, : len(table)], at_once(table, codes, 1800))
 
 
-def test_segments_must_be_ascending_and_disjoint():
-    table = SegmentTable()
+def test_spans_must_be_ascending_and_disjoint():
+    table = SpanTable()
     table.add(0, 10)
     with pytest.raises(ValueError, match="start at or after 10"):
         table.add(5, 20)
     with pytest.raises(ValueError, match="non-empty"):
         table.add(30, 30)
-    for i in range(200):  # growth keeps earlier segments
+    for i in range(200):  # growth keeps earlier spans
         table.add(10 + 2 * i, 11 + 2 * i)
     assert len(table) == 201 and table.starts[:3].tolist() == [0, 10, 12]
 
@@ -191,8 +191,8 @@ PROMPT = [(i * 37) % 211 for i in range(600)]
 FLAT, TWO_LEVEL = 10**9, 0  # SpotlightConfig.two_level_from: never, always
 
 
-def run(model, selector, segments, steps=3, two_level_from=TWO_LEVEL):
-    """Prefill PROMPT, register segments, decode `steps` tokens through SpotlightDecode:
+def run(model, selector, spans, steps=3, two_level_from=TWO_LEVEL):
+    """Prefill PROMPT, register spans, decode `steps` tokens through SpotlightDecode:
     (logits, selections per step, which path each step's layers took)."""
     config = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, ratio=0.05, k_min=8, bits=128,
                              two_level_from=two_level_from)
@@ -202,8 +202,8 @@ def run(model, selector, segments, steps=3, two_level_from=TWO_LEVEL):
     logits, selections, paths = [], [], []
     with torch.inference_mode():
         model(torch.tensor(PROMPT), cache, policy)
-        for a, b in segments:
-            cache.segments.add(a, b)
+        for a, b in spans:
+            cache.spans.add(a, b)
         for token in [5, 17, 99][:steps]:
             logits.append(model(torch.tensor([token]), cache, policy))
             selections.append({layer: idx.copy() for layer, idx in policy.record.selected.items()})
@@ -216,41 +216,41 @@ def encoders_and_model():
     return Encoders(EncoderSpec.for_model(model.args, 128), seed=0), model
 
 
-def test_two_level_with_every_segment_chosen_equals_the_flat_scan_through_the_decode_path():
+def test_two_level_with_every_span_chosen_equals_the_flat_scan_through_the_decode_path():
     encoders, model = encoders_and_model()
-    segments = [(20, 200), (200, 410), (450, 560)]
-    flat_logits, flat_sel, flat_paths = run(model, CodeSelector(encoders), segments, two_level_from=FLAT)
+    spans = [(20, 200), (200, 410), (450, 560)]
+    flat_logits, flat_sel, flat_paths = run(model, CodeSelector(encoders), spans, two_level_from=FLAT)
     every = CodeSelector(encoders, TwoLevelConfig(multiple=1000.0))
-    logits, sel, paths = run(model, every, segments)
+    logits, sel, paths = run(model, every, spans)
     assert flat_paths == [{0: False, 1: False}] * 3 and paths == [{0: True, 1: True}] * 3
     torch.testing.assert_close(logits, flat_logits, rtol=0, atol=0)
     for a, b in zip(sel, flat_sel):
         assert a.keys() == b.keys() and all(np.array_equal(a[layer], b[layer]) for layer in a)
 
 
-def test_two_level_keeps_the_budget_and_scans_only_chosen_segments():
+def test_two_level_keeps_the_budget_and_scans_only_chosen_spans():
     encoders, model = encoders_and_model()
-    segments = [(20 + 50 * i, 70 + 50 * i) for i in range(10)]  # [20, 520) in 10 segments; tail 520..
-    _, flat_sel, _ = run(model, CodeSelector(encoders), segments, steps=1, two_level_from=FLAT)
-    _, sel, paths = run(model, CodeSelector(encoders, TwoLevelConfig(multiple=1.0)), segments, steps=1)
+    spans = [(20 + 50 * i, 70 + 50 * i) for i in range(10)]  # [20, 520) in 10 spans; tail 520..
+    _, flat_sel, _ = run(model, CodeSelector(encoders), spans, steps=1, two_level_from=FLAT)
+    _, sel, paths = run(model, CodeSelector(encoders, TwoLevelConfig(multiple=1.0)), spans, steps=1)
     assert paths == [{0: True, 1: True}]
     n = len(PROMPT) + 1
     for layer, idx in sel[0].items():
         assert idx.shape == flat_sel[0][layer].shape, "same K as the flat selection"
         for row in idx.tolist():
             assert row == sorted(set(row)) and set(range(4)) <= set(row) and set(range(n - 16, n)) <= set(row)
-            segments_used = {(t - 20) // 50 for t in row if 20 <= t < 520}
+            spans_used = {(t - 20) // 50 for t in row if 20 <= t < 520}
             retrieved = max(8, int(0.05 * n))
-            assert len(segments_used) <= -(-retrieved // 50) + 1, "only the segments the summary picked"
+            assert len(spans_used) <= -(-retrieved // 50) + 1, "only the spans the summary picked"
 
 
-def test_below_the_threshold_or_without_segments_the_flat_scan_runs():
+def test_below_the_threshold_or_without_spans_the_flat_scan_runs():
     encoders, model = encoders_and_model()
-    segments = [(20 + 50 * i, 70 + 50 * i) for i in range(10)]
-    flat_logits, _, _ = run(model, CodeSelector(encoders), segments, two_level_from=FLAT)
+    spans = [(20 + 50 * i, 70 + 50 * i) for i in range(10)]
+    flat_logits, _, _ = run(model, CodeSelector(encoders), spans, two_level_from=FLAT)
     selector = CodeSelector(encoders, TwoLevelConfig(multiple=1.0))
     n = len(PROMPT) + 1  # the first decode step's context
-    logits, _, paths = run(model, selector, segments, two_level_from=n + 1)  # reached at the second step
+    logits, _, paths = run(model, selector, spans, two_level_from=n + 1)  # reached at the second step
     assert paths == [{0: False, 1: False}, {0: True, 1: True}, {0: True, 1: True}]
     torch.testing.assert_close(logits[0], flat_logits[0], rtol=0, atol=0)
     logits, _, paths = run(model, selector, [])
@@ -260,7 +260,7 @@ def test_below_the_threshold_or_without_segments_the_flat_scan_runs():
 
 def test_summaries_kept_through_decode_equal_summaries_computed_at_once():
     """The cache's table, synced layer by layer as prefill and decode steps append keys, equals
-    per-segment bit counts computed from scratch; the last segment grows with the decoded tokens."""
+    per-span bit counts computed from scratch; the last span grows with the decoded tokens."""
     encoders, model = encoders_and_model()
     selector = CodeSelector(encoders, TwoLevelConfig(multiple=1.0))
     config = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, k_min=8, bits=128, two_level_from=0)
@@ -268,36 +268,36 @@ def test_summaries_kept_through_decode_equal_summaries_computed_at_once():
     cache = KVCache(model.args, 64, code_words=2)
     with torch.inference_mode():
         model(torch.tensor(PROMPT[:300]), cache, policy)
-        cache.segments.add(0, 150)
+        cache.spans.add(0, 150)
         model(torch.tensor(PROMPT[300:]), cache, policy)
-        cache.segments.add(150, 580)
-        cache.segments.add(580, 700)  # runs ahead of the tokens: counted as they arrive
+        cache.spans.add(150, 580)
+        cache.spans.add(580, 700)  # runs ahead of the tokens: counted as they arrive
         for token in range(120):
             model(torch.tensor([token]), cache, policy)
-    table = cache.segments
+    table = cache.spans
     assert table.summarized.tolist() == [cache.length] * 2  # each layer synced at its last step
     np.testing.assert_array_equal(table.ones[:, :, :3], at_once(table, cache.codes, cache.length))
 
 
-def test_truncating_the_cache_truncates_its_segments():
+def test_truncating_the_cache_truncates_its_spans():
     encoders, model = encoders_and_model()
     cache = KVCache(model.args, 64, code_words=2)
     policy = SpotlightDecode(SpotlightConfig(bits=128), CodeSelector(encoders))
     with torch.inference_mode():
         model(torch.tensor(PROMPT), cache, policy)
     for a, b in [(0, 100), (100, 300), (300, 500)]:
-        cache.segments.add(a, b)
+        cache.spans.add(a, b)
     cache.truncate(200)
-    assert (cache.segments.starts.tolist(), cache.segments.ends.tolist()) == ([0, 100], [100, 200])
-    cache.segments.cover(100, 200)  # already a segment: kept
-    cache.segments.cover(150, 180)  # an older layout of these tokens: replaced
-    assert (cache.segments.starts.tolist(), cache.segments.ends.tolist()) == ([0, 100, 150], [100, 150, 180])
+    assert (cache.spans.starts.tolist(), cache.spans.ends.tolist()) == ([0, 100], [100, 200])
+    cache.spans.cover(100, 200)  # already a span: kept
+    cache.spans.cover(150, 180)  # an older layout of these tokens: replaced
+    assert (cache.spans.starts.tolist(), cache.spans.ends.tolist()) == ([0, 100, 150], [100, 150, 180])
 
 
 def test_a_known_summary_is_taken_as_is_and_matches_the_counted_one():
     rng = np.random.default_rng(7)
     codes = rng.integers(0, 2**64, size=(2, 3, 2, 900), dtype=np.uint64)  # (L, Hkv, W, N)
-    loaded, counted = SegmentTable(), SegmentTable()
+    loaded, counted = SpanTable(), SpanTable()
     for table in (loaded, counted):
         table.bind(layers=2, kv_heads=3, words=2)
     for a, b in [(0, 400), (400, 900)]:

@@ -1,0 +1,124 @@
+"""Decode-step observers: what a reply's attention read, measured while it decodes.
+
+Shape legend: H query heads, Hkv KV heads, G = H / Hkv, D head dim, N cached tokens (the
+decoded token included), K selected tokens.
+
+`Engine.stream(..., observers=[...])` hands observers to the decode path for that one call.
+In every decode step each layer, after it attended, calls `on_layer(layer, q, cache,
+selected)`: `selected` is the (Hkv, K) selection a sparse layer read (one row per KV head,
+shared by its query group), None when the layer read all N cached rows; after the last layer
+the decode loop calls `on_step(n_tokens)`. Prefill never calls observers. The selection is the
+policy's reused buffer: an observer copies what it keeps.
+
+Two observers ship here:
+
+* `ReadMeter`: the share of the context each step read (sinks + window + retrieved in sparse
+  layers, all N in dense ones), summed over layers / (layers x N); `share()` is the mean over
+  the steps seen. Sampling a reply's first token needs no decode step, so a one-token reply
+  has no measurement.
+* `AttentionTally(limit)`: the attention mass each cached position < limit received, summed
+  over steps, in the layers `tally_layers` picks: dense layers and dense steps add the exact
+  softmax probabilities of the step's queries (averaged over the H heads), sparse layers add
+  1 / (Hkv x K) at each selected position. Each step adds 1 / len(layers) per tallied layer,
+  so over a context of at most `limit` tokens the whole mass sums to the number of steps.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["AttentionTally", "ReadMeter", "ReadStep", "StepObserver", "tally_layers"]
+
+
+class StepObserver(Protocol):
+    """Called by the decode path of one `Engine.stream` call (see the module docstring)."""
+
+    def on_layer(self, layer: int, q: torch.Tensor, cache, selected) -> None:
+        """`layer` attended: q (H, 1, D) over N = cache.length + 1 rows; `selected` (Hkv, K)
+        int indices (numpy, or a tensor on the cache's device), or None when it read all N."""
+
+    def on_step(self, n_tokens: int) -> None:
+        """Every layer of a decode step over `n_tokens` cached tokens has run."""
+
+
+@dataclass(slots=True, frozen=True)
+class ReadStep:
+    """One decode step: `n_tokens` cached (the decoded token included), `read[layer]` of them
+    attended per KV head."""
+
+    n_tokens: int
+    read: tuple[int, ...]
+
+    @property
+    def share(self) -> float:
+        return sum(self.read) / (len(self.read) * self.n_tokens)
+
+
+class ReadMeter:
+    """The measured share of the context each decode step read (`steps`, `share()`)."""
+
+    def __init__(self):
+        self.steps: list[ReadStep] = []
+        self._read: list[int] = []
+
+    def on_layer(self, layer: int, q: torch.Tensor, cache, selected) -> None:
+        self._read.append(cache.length + 1 if selected is None else int(selected.shape[1]))
+
+    def on_step(self, n_tokens: int) -> None:
+        self.steps.append(ReadStep(n_tokens, tuple(self._read)))
+        self._read = []
+
+    def share(self) -> float | None:
+        """The mean read share of the steps so far; None before the first decode step."""
+        if not self.steps:
+            return None
+        return sum(step.share for step in self.steps) / len(self.steps)
+
+
+def tally_layers(n_layers: int) -> list[int]:
+    """Layers whose attention is tallied: spread over the second half, the last included
+    (a handful of layers: recomputing dense probabilities there costs ~1/8 of a step's attention)."""
+    return sorted({min(n_layers - 1, int(n_layers * f)) for f in (0.5, 0.67, 0.83)} | {n_layers - 1})
+
+
+class AttentionTally:
+    """The attention mass each cached position < `limit` received (`mass` (limit,) float64),
+    summed over the decode steps seen (`steps`)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.mass = np.zeros(limit, dtype=np.float64)  # (limit,)
+        self.steps = 0
+        self._layers: frozenset[int] | None = None  # tally_layers of the cache's model, at the first step
+
+    def on_layer(self, layer: int, q: torch.Tensor, cache, selected) -> None:
+        if self._layers is None:
+            self._layers = frozenset(tally_layers(cache.args.n_layers))
+        if layer not in self._layers:
+            return
+        n = cache.length + 1
+        limit = min(n, self.limit)
+        share = 1.0 / len(self._layers)
+        if selected is None:
+            self.mass[:limit] += share * _probabilities(layer, q, cache)[:limit]
+            return
+        idx = (selected.cpu().numpy() if isinstance(selected, torch.Tensor) else np.asarray(selected)).reshape(-1)
+        np.add.at(self.mass, idx[idx < limit], share / idx.size)
+
+    def on_step(self, n_tokens: int) -> None:
+        self.steps += 1
+
+
+def _probabilities(layer: int, q: torch.Tensor, cache) -> np.ndarray:
+    """Exact softmax attention (N,) float64 of q (H, 1, D) over the layer's N cached keys,
+    averaged over the H query heads (so it sums to 1)."""
+    keys = cache.keys(layer, 1).float()  # (Hkv, N, D)
+    H, D = q.shape[0], q.shape[-1]
+    Hkv = keys.shape[0]
+    query = q[:, 0].float().reshape(Hkv, H // Hkv, D)  # (Hkv, G, D)
+    scores = torch.einsum("hgd,hnd->hgn", query, keys) / math.sqrt(D)  # (Hkv, G, N)
+    return (scores.softmax(-1).sum((0, 1)) / H).double().cpu().numpy()  # (N,)

@@ -1,0 +1,265 @@
+"""The engine's front door (issue #18): prefill, the Context row API, with_spotlight,
+fingerprints, observers and warm-up, on the tiny random engine of chat/testing.py."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from chat.testing import tiny_engine
+from spotlight import AttentionTally, Context, Fingerprints, KVRows, ReadMeter
+from spotlight.config import SamplingConfig, SpotlightConfig
+from spotlight.hashing import EncoderSpec, Encoders
+from spotlight.observers import ReadStep, tally_layers
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 4  # 180 byte tokens
+
+
+def ids_of(n: int) -> list[int]:
+    return list(TEXT.encode())[:n]
+
+
+def filled(engine, n: int) -> Context:
+    context = engine.new_context()
+    assert engine.prefill(context, ids_of(n))
+    return context
+
+
+@torch.inference_mode()
+def next_logits(engine, context: Context, token: int = 65) -> torch.Tensor:
+    """Logits (V,) of one decode step of `token` after the context (which it extends)."""
+    return engine.model(torch.tensor([token]), context.cache, engine.policy)
+
+
+def greedy(max_new_tokens: int) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, repetition_penalty=1.0)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def test_prefill_reports_progress_after_each_chunk():
+    engine = tiny_engine(prefill_chunk=64)
+    context, calls = engine.new_context(), []
+    assert engine.prefill(context, ids_of(150), progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(64, 150), (128, 150), (150, 150)]
+    assert context.tokens == ids_of(150) and context.cache.length == 150
+
+
+def test_cancelled_prefill_returns_false_and_keeps_a_consistent_context():
+    engine = tiny_engine(prefill_chunk=64)
+    cancel = threading.Event()
+    context = engine.new_context()
+
+    def stop_after_two(done, total):
+        if done == 128:
+            cancel.set()
+
+    assert not engine.prefill(context, ids_of(180), progress=stop_after_two, cancel=cancel)
+    assert context.tokens == ids_of(128) and context.cache.length == 128
+    assert engine.prefill(context, ids_of(180)[128:])  # continuing gives what one prefill gives
+    torch.testing.assert_close(next_logits(engine, context), next_logits(engine, filled(engine, 180)), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+@pytest.mark.parametrize("spotlight", [False, True])
+def test_rows_round_trip_gives_the_same_next_token_logits(spotlight):
+    engine = tiny_engine(spotlight=spotlight)
+    original = filled(engine, 150)
+    rows = original.rows(0, 150)
+    assert rows.token_ids == ids_of(150) and len(rows) == 150
+    assert rows.k.shape == (2, 2, 150, 16) and rows.k.dtype == torch.float32
+    if spotlight:
+        assert rows.key_codes.dtype == np.uint64 and rows.key_codes.shape == (2, 2, 1, 150)
+        assert rows.code_summary.shape == (2, 2, 64)
+    else:
+        assert rows.key_codes is None and rows.code_summary is None
+    restored = engine.new_context()
+    restored.reserve(150)
+    first, second = original.rows(0, 100), original.rows(100, 150)
+    restored.append_rows(first)
+    restored.mark_span(0, 100, first.code_summary)
+    restored.append_rows(second)
+    restored.mark_span(100, 150, second.code_summary)
+    assert restored.tokens == original.tokens
+    if spotlight:
+        np.testing.assert_array_equal(restored.rows(0, 150).key_codes, rows.key_codes)
+        assert restored.cache.spans.starts.tolist() == [0, 100]
+    torch.testing.assert_close(next_logits(engine, restored), next_logits(engine, original), rtol=0, atol=0)
+
+
+def test_append_rows_takes_the_first_n_rows_and_their_tokens():
+    engine = tiny_engine(spotlight=True)
+    rows = filled(engine, 120).rows(0, 120)
+    context = engine.new_context()
+    context.append_rows(rows, 70)
+    assert context.tokens == ids_of(70)
+    np.testing.assert_array_equal(context.rows(0, 70).key_codes, rows.key_codes[..., :70])
+    reference = filled(engine, 120)
+    reference.truncate(70)  # the same rows (prefilling 70 tokens would chunk them otherwise)
+    torch.testing.assert_close(next_logits(engine, context), next_logits(engine, reference), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="cannot append 121 of 120 rows"):
+        context.append_rows(rows, 121)
+    with pytest.raises(ValueError, match="not within the cache's 71 tokens"):
+        context.rows(0, 72)
+
+
+def test_rows_are_copies():
+    engine = tiny_engine()
+    context = filled(engine, 20)
+    rows = context.rows(0, 20)
+    rows.k.zero_()
+    assert context.rows(0, 20).k.abs().sum() > 0
+    assert isinstance(rows, KVRows)
+
+
+# ----------------------------------------------------------------------------- which way it decodes
+
+
+def test_fingerprints_and_decode_mode():
+    dense, sparse = tiny_engine(), tiny_engine(spotlight=True)
+    expected = Encoders(EncoderSpec.for_model(sparse.args, 64), seed=0, model_fingerprint="tiny").fingerprint
+    assert dense.fingerprints == Fingerprints("tiny-random-0", "", "float32")
+    assert sparse.fingerprints == Fingerprints("tiny-random-0", expected, "float32")
+    assert (dense.decodes_densely, dense.spotlight) == (True, None)
+    assert not sparse.decodes_densely
+    assert sparse.spotlight == SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16)
+
+
+def test_with_spotlight_returns_the_same_engine_when_unchanged():
+    dense, sparse = tiny_engine(), tiny_engine(spotlight=True)
+    assert dense.with_spotlight(SpotlightConfig(enabled=False)) is dense
+    assert sparse.with_spotlight(sparse.spotlight) is sparse
+
+
+def test_with_spotlight_makes_a_new_engine_and_leaves_the_original_untouched():
+    dense = tiny_engine()
+    policy = dense.policy
+    config = SpotlightConfig(bits=64, dense_below=0)
+    sparse = dense.with_spotlight(config)
+    assert sparse is not dense and sparse.model is dense.model and sparse.tokenizer is dense.tokenizer
+    assert (sparse.spotlight, sparse.decodes_densely) == (config, False)
+    assert sparse.warnings and "untrained" in sparse.warnings[0]  # no shipped encoders for the tiny model
+    assert dense.policy is policy and dense.decodes_densely and dense.fingerprints.encoders == ""
+    back = sparse.with_spotlight(SpotlightConfig(enabled=False))
+    assert back.decodes_densely and back.warnings == () and not sparse.decodes_densely
+
+
+def test_with_spotlight_keeps_encoders_whose_width_fits():
+    sparse = tiny_engine(spotlight=True)
+    wider = sparse.with_spotlight(SpotlightConfig(bits=64, ratio=0.5))
+    assert wider.fingerprints == sparse.fingerprints and wider.policy.selector.encoders is sparse.policy.selector.encoders
+    other = sparse.with_spotlight(SpotlightConfig(bits=128))
+    assert other.fingerprints.encoders not in ("", sparse.fingerprints.encoders)
+
+
+def test_warm_up_runs_on_both_decode_paths():
+    for engine in (tiny_engine(), tiny_engine(spotlight=True)):
+        assert engine.warm_up() >= 0.0
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_calls():
+    engine = tiny_engine()
+    text = "ab<|im_start|>é x"
+    assert engine.token_offsets(text) == ([97, 98, 256, 195, 169, 32, 120], [0, 1, 2, 14, 14, 15, 16])
+    assert engine.count_tokens(text) == 7 and engine.encode(text) == engine.token_offsets(text)[0]
+    assert engine.decode(engine.encode("hello")) == "hello"
+    assert engine.chat_ids([{"role": "user", "content": "hi"}]) == engine.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- observers
+
+
+class Selections:
+    """Copies of what `layer` read in each decode step."""
+
+    def __init__(self, layer: int):
+        self.layer, self.seen = layer, []
+
+    def on_layer(self, layer, q, cache, selected):
+        if layer == self.layer:
+            self.seen.append((cache.length + 1, None if selected is None else np.array(selected, copy=True)))
+
+    def on_step(self, n_tokens):
+        pass
+
+
+def decode_with(engine, n_prompt: int, steps: int, *observers):
+    context = engine.new_context()
+    out = list(engine.stream(context, ids_of(n_prompt), greedy(steps), observers=observers))
+    assert out[-1].finish == "length", "the tiny model ended early: pick other ids"
+    return context
+
+
+def test_read_meter_measures_dense_and_sparse_reads():
+    dense_meter, sparse_meter = ReadMeter(), ReadMeter()
+    assert dense_meter.share() is None
+    decode_with(tiny_engine(), 30, 4, dense_meter)
+    assert dense_meter.steps == [ReadStep(n, (n, n)) for n in range(31, 35)]
+    assert dense_meter.share() == 1.0
+    engine = tiny_engine(spotlight=True)
+    decode_with(engine, 150, 4, sparse_meter)
+    budget = engine.spotlight.budget
+    assert sparse_meter.steps == [ReadStep(n, (n, budget(n))) for n in range(151, 155)]  # layer 0 is dense
+    assert sparse_meter.share() == pytest.approx(np.mean([(n + budget(n)) / (2 * n) for n in range(151, 155)]))
+
+
+def test_attention_tally_of_dense_steps_sums_to_the_steps():
+    tally, meter = AttentionTally(limit=1000), ReadMeter()
+    decode_with(tiny_engine(), 40, 5, tally, meter)
+    assert tally.steps == len(meter.steps) == 5
+    assert tally.mass.shape == (1000,) and tally.mass.dtype == np.float64
+    assert tally.mass.sum() == pytest.approx(5.0, abs=1e-6)  # fp32 softmax rows
+    assert (tally.mass[45:] == 0).all() and (tally.mass[:45] > 0).all()  # positions past the last step get none
+    clipped = AttentionTally(limit=10)
+    decode_with(tiny_engine(), 40, 5, clipped)
+    np.testing.assert_allclose(clipped.mass, tally.mass[:10], rtol=1e-12)
+
+
+def test_attention_tally_of_sparse_steps_weighs_only_selected_positions():
+    engine = tiny_engine(spotlight=True)
+    assert tally_layers(engine.args.n_layers) == [1]  # the tiny model's sparse layer
+    tally, seen = AttentionTally(limit=1000), Selections(layer=1)
+    decode_with(engine, 150, 3, tally, seen)
+    expected = np.zeros(1000)
+    for n, selected in seen.seen:
+        assert selected is not None and selected.shape == (2, engine.spotlight.budget(n))
+        np.add.at(expected, selected.reshape(-1), 1.0 / selected.size)
+    np.testing.assert_allclose(tally.mass, expected, rtol=1e-12, atol=0)
+    assert tally.steps == 3 and tally.mass.sum() == pytest.approx(3.0)
+    unselected = np.setdiff1d(np.arange(1000), np.concatenate([s.reshape(-1) for _, s in seen.seen]))
+    assert (tally.mass[unselected] == 0).all()
+
+
+def test_observers_see_decode_steps_only_and_leave_the_policy_alone():
+    engine = tiny_engine(spotlight=True)
+    policy, meter = engine.policy, ReadMeter()
+    context = engine.new_context()
+    list(engine.stream(context, ids_of(100), greedy(1), observers=[meter]))
+    assert meter.steps == [ReadStep(101, (101, engine.spotlight.budget(101)))]
+    assert engine.policy is policy
+
+
+@pytest.mark.gpu
+def test_cuda_rows_are_host_copies_that_a_cpu_context_takes():
+    from spotlight.cache import KVCache
+
+    engine = tiny_engine(spotlight=True)
+    args, words = engine.args, engine.policy.code_words
+    gpu = Context(KVCache(args, 64, device="cuda", code_words=words))
+    cpu = Context(KVCache(args, 64, code_words=words))
+    host = filled(engine, 40).rows(0, 40)
+    gpu.append_rows(host)
+    rows = gpu.rows(0, 40)
+    assert rows.k.device.type == "cpu" and rows.key_codes.dtype == np.uint64
+    np.testing.assert_array_equal(rows.key_codes, host.key_codes)
+    np.testing.assert_array_equal(rows.code_summary, host.code_summary)
+    cpu.append_rows(rows)
+    torch.testing.assert_close(cpu.rows(0, 40).k, host.k, rtol=0, atol=0)
+    assert cpu.tokens == gpu.tokens == host.token_ids
