@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from memory import blobs
-from memory.errors import StoreError
 from memory.config import StoreConfig
 from memory.connections import KVSTORE, SCHEMA_VERSION, Connections
+from memory.errors import StoreError
 from memory.spans import SpanIndex
 from memory.transcript import ACTIVE_LEAF, Transcript
 
