@@ -13,7 +13,7 @@ from files import make_docx, make_pdf
 from segmenter import read_document
 from spotlight.config import SamplingConfig
 
-PAGE_LINES = [[f"Page {page} line {line} says something about the harvest of year {1900 + line}." for line in range(12)]
+PAGE_LINES = [[f"Page {page} line {line} says something about the harvest of year {1900 + line}." for line in range(5)]
               for page in (1, 2, 3)]
 
 
@@ -27,7 +27,7 @@ def test_pdf_segments_keep_their_pages(tmp_path):
 
 
 def test_docx_segments_keep_their_headings(tmp_path):
-    body = " ".join(f"Sentence {i} of the body has a few words in it." for i in range(30))
+    body = " ".join(f"Sentence {i} of the body has a few words in it." for i in range(8))  # ~400 bytes
     path = tmp_path / "manual.docx"
     path.write_bytes(make_docx([(0, "Manual"), (1, "Setup"), (None, body), (1, "Maintenance"), (None, body)]))
     document = read_document(str(path), "manual.docx")
