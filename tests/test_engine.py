@@ -263,3 +263,27 @@ def test_cuda_rows_are_host_copies_that_a_cpu_context_takes():
     cpu.append_rows(rows)
     torch.testing.assert_close(cpu.rows(0, 40).k, host.k, rtol=0, atol=0)
     assert cpu.tokens == gpu.tokens == host.token_ids
+
+
+def test_key_codes_grow_load_and_copy_out_on_the_host():
+    from spotlight.cache import KeyCodes
+
+    codes = KeyCodes((2, 3, 1, 8), torch.device("cpu"))
+    words = np.arange(2 * 3 * 1 * 5, dtype=np.uint64).reshape(2, 3, 1, 5) + np.uint64(2**63)  # top bit set
+    codes.load(0, torch.from_numpy(words.view(np.int64)))  # a span file's int64 tensor of the same words
+    codes.load(5, words[..., :2])
+    grown = codes.grown(16, 7)
+    assert grown.data.shape == (2, 3, 1, 16) and grown.on_host and grown.words == 1
+    np.testing.assert_array_equal(grown.host(0, 7), np.concatenate([words, words[..., :2]], axis=-1))
+    copy = grown.host(0, 2)
+    copy[:] = 0
+    np.testing.assert_array_equal(grown.host(0, 2), words[..., :2])  # host() copies
+
+
+def test_front_door_exports():
+    import spotlight
+
+    assert spotlight.__all__ == sorted(["AttentionTally", "Context", "Engine", "Fingerprints", "KVRows", "ReadMeter",
+                                        "Stats", "Step", "StepObserver"])
+    with pytest.raises(AttributeError, match="no attribute 'Policy'"):
+        spotlight.Policy
