@@ -59,7 +59,7 @@ def _text(rng: random.Random, n_words: int) -> str:
 
 def _service(home: Path, max_new_tokens: int = 24):
     from chat.service import ChatService
-    from chat.testing import tiny_engine
+    from spotlight.testing import tiny_engine
     from chat.config import AppConfig
     from memory.config import StoreConfig
     from spotlight.config import SamplingConfig

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from segmenter.segment import sentences
+from segmenter.segment import paragraphs, sentences
 from spotlight import AttentionTally
 
 from .records import Source
@@ -63,7 +63,9 @@ class SourceTracker:
         """(score, text) of the segment's most attended sentence."""
         text = self.conversation.documents[r.document].text
         best, best_score = text[r.segment.char_start : r.segment.char_end], -1.0
-        for start, end in sentences(text, r.segment.char_start, r.segment.char_end):
+        pieces = [sentence for paragraph in paragraphs(text, r.segment.char_start, r.segment.char_end)
+                  for sentence in sentences(text, *paragraph)]
+        for start, end in pieces:
             lo = min(max(self.rendering.token_at(r.document, start), r.start), r.end)
             hi = min(max(self.rendering.token_at(r.document, end), lo), r.end)
             if hi > lo:

@@ -196,7 +196,7 @@ class Engine:
         """(token ids of `text`, the char offset where each token starts), in one tokenizer pass.
 
         Needs a tokenizer that reports offsets (Hugging Face fast tokenizers, as `load` loads
-        them, and chat/testing.py's ByteTokenizer); the ids equal `encode(text)`."""
+        them, and spotlight/testing.py's ByteTokenizer); the ids equal `encode(text)`."""
         try:
             encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         except NotImplementedError as error:  # a slow (Python) Hugging Face tokenizer

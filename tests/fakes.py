@@ -1,6 +1,6 @@
 """A deterministic fake engine for fast UI tests: a real `Engine` that echoes instead of sampling.
 
-`echo_engine(delay=...)` wraps `chat.testing.tiny_engine()` (a random 2-layer model with a
+`echo_engine(delay=...)` wraps `spotlight.testing.tiny_engine()` (a random 2-layer model with a
 byte-level tokenizer, so a token is a byte): prefill, the KV cache, persistence and cancel
 are the real code paths of the chat service; only decoding is replaced by a script:
 
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from chat.testing import SPECIAL_TOKENS, tiny_engine
+from spotlight.testing import SPECIAL_TOKENS, tiny_engine
 from spotlight.config import SamplingConfig
 from spotlight.engine import Engine
 from spotlight.generate import Stats, Step, prefill, sync_prompt
@@ -79,7 +79,7 @@ def scripted_reply(user_text: str, max_words: int) -> list[str]:
 
 
 def echo_engine(delay: float = 0.0, *, seed: int = 0, max_seq_len: int = 8192) -> EchoEngine:
-    """A fresh EchoEngine over the tiny random model of `chat.testing`."""
+    """A fresh EchoEngine over the tiny random model of `spotlight.testing`."""
     base = tiny_engine(seed=seed, max_seq_len=max_seq_len)
     return EchoEngine(base.config, base.args, base.model, base.tokenizer, base.source, base.policy, delay=delay)
 

@@ -7,7 +7,7 @@ from chat.cachesync import SPAN_TOKENS, prefix_layout
 from chat.config import AppConfig
 from chat.render import DocumentSegment, Rendering, SegmentRange
 from chat.service import ChatService
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from spotlight.config import SamplingConfig
 
 

@@ -1,6 +1,6 @@
 """The chat service (chat/): sessions, streaming turns, branches, undo, export, concurrency, errors.
 
-Most tests run `chat.testing.tiny_engine()` (a random 2-layer model with a byte-level
+Most tests run `spotlight.testing.tiny_engine()` (a random 2-layer model with a byte-level
 tokenizer, so token counts are exact byte counts); issue: "Persistent cross-turn KV
 memory: conversations that resume instantly and never lose data".
 """
@@ -23,7 +23,7 @@ from chat.errors import (
 )
 from chat.render import Renderer
 from chat.service import ChatService
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from memory import blobs
 from chat.config import AppConfig
 from memory.config import StoreConfig

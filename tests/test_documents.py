@@ -1,14 +1,12 @@
 """Uploads (chat/documents.py): a document is read and cut into segments once, at ingest,
 keeping pages and headings; prefill progress is measured, not estimated (issue #18)."""
-import itertools
-
 import pytest
 
 from chat.config import AppConfig
 from chat.documents import PrefillProgress, count_tokens_within, ingest, prefill_text, segment_document
 from chat.errors import ConversationTooLong
 from chat.service import ChatService
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from files import make_docx, make_pdf
 from segmenter import read_document
 from spotlight.config import SamplingConfig
@@ -68,7 +66,7 @@ def test_ingest_reports_the_engines_prefill_chunks(tmp_path):
     total = report.resume.computed_tokens
     done = [int(text.split()[1].replace(",", "")) for text in seen if text.startswith("Reading ") and " of " in text]
     assert report.errors == [] and [d.name for d in report.documents] == ["notes.txt"]
-    assert done == [min(total, n) for n in itertools.count(256, 256)][: len(done)] and done[-1] == total
+    assert done == [min(total, 256 * k) for k in range(1, len(done) + 1)] and done[-1] == total
     assert seen[-1] == "Done"
 
 
@@ -91,6 +89,6 @@ def test_a_document_over_the_window_is_refused_before_it_is_segmented(tmp_path):
     with pytest.raises(ConversationTooLong) as error:
         service.attach_text(session.id, "big.txt", "All work and no play. " * 5000)
     assert str(error.value) == (
-        "big.txt is longer than the 2,028 tokens left in this conversation: the model reads at most 2,048 "
+        "big.txt is longer than the 1,954 tokens left in this conversation: the model reads at most 2,048 "
         "tokens at once (about 5 pages). Attach a shorter excerpt, or start a new chat for it.")
     assert service.documents(session.id) == []

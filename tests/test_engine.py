@@ -1,12 +1,12 @@
 """The engine's front door (issue #18): prefill, the Context row API, with_spotlight,
-fingerprints, observers and warm-up, on the tiny random engine of chat/testing.py."""
+fingerprints, observers and warm-up, on the tiny random engine of spotlight/testing.py."""
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from spotlight import AttentionTally, Context, Fingerprints, KVRows, ReadMeter
 from spotlight.config import SamplingConfig, SpotlightConfig
 from spotlight.hashing import EncoderSpec, Encoders

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from chat.testing import tiny_args
+from spotlight.testing import tiny_args
 from spotlight.cache import KVCache
 from spotlight.attention import DenseDecode
 from spotlight.model import Transformer

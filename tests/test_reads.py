@@ -7,7 +7,7 @@ import pytest
 
 from chat import reads, turns, ui_model as ui
 from chat.service import ChatService
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from spotlight.attention import SpotlightDecode
 from chat.config import AppConfig
 from spotlight.config import SamplingConfig, SpotlightConfig

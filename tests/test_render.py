@@ -5,7 +5,7 @@ import pytest
 
 from chat.documents import segment_document
 from chat.render import AttachedDocument, Conversation, DocumentSegment, Renderer, SegmentRange
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from segmenter import Document
 
 PARAGRAPHS = [" ".join(f"Paragraph {i} sentence {j} tells about topic {i * 7 + j} in some detail." for j in range(12))

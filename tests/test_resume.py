@@ -21,7 +21,7 @@ import torch
 from chat.documents import segment_ends
 from chat.render import Renderer
 from chat.service import ChatService
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from memory import verify
 from chat.config import AppConfig
 from memory.config import StoreConfig

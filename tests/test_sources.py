@@ -8,7 +8,7 @@ from chat.documents import ingest, segment_document
 from chat.render import AttachedDocument, Conversation, Renderer
 from chat.service import ChatService
 from chat.sources import SourceTracker
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from files import make_docx, make_pdf
 from spotlight.config import SamplingConfig
 from segmenter import Document

@@ -2,7 +2,7 @@
 import pytest
 
 from chat.service import ChatService
-from chat.testing import tiny_engine
+from spotlight.testing import tiny_engine
 from chat.config import AppConfig
 from spotlight.config import SamplingConfig
 

@@ -84,7 +84,7 @@ def tiny_args(max_seq_len: int = 8192) -> ModelArgs:
 
 def tiny_engine(
     seed: int = 0, *, fingerprint: str | None = None, prefill_chunk: int = 64, spotlight: bool = False,
-    encoder_seed: int | None = None, max_seq_len: int = 8192,
+    encoder_seed: int | None = None, max_seq_len: int = 8192, dtype: torch.dtype = torch.float32,
 ) -> Engine:
     """A random-weight engine; `fingerprint` defaults to one derived from the seed.
 
@@ -94,7 +94,7 @@ def tiny_engine(
     args = tiny_args(max_seq_len)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = use_onerow_linear(Transformer(args).eval().requires_grad_(False))  # as Engine.load does
+        model = use_onerow_linear(Transformer(args).eval().requires_grad_(False).to(dtype))  # as Engine.load does
     policy = DenseDecode()
     if spotlight:
         config = SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16)
