@@ -136,11 +136,9 @@ class ServiceRef:
 def model_facts(service: ChatService) -> ui.ModelFacts:
     """What the display needs from the model (`window` None while the model cannot be loaded)."""
     try:
-        # NOTE: the service has no method for the window or the decode kind yet (issue #18)
-        engine = service.engine
+        return ui.ModelFacts(service.context_window(), service.decodes_densely(), service.count_tokens)
     except ChatError:
         return ui.ModelFacts(None, False, service.count_tokens)
-    return ui.ModelFacts(engine.max_context, ui.decodes_densely(engine), service.count_tokens)
 
 
 # ----------------------------------------------------------------------------- views
@@ -697,7 +695,7 @@ def main(argv=None) -> int:
         config = config.with_(sampling=replace(config.sampling, max_new_tokens=args.max_new_tokens))
     service = ChatService(config)
     try:
-        service.engine  # load (and on first use convert) the model before serving: fail here, clearly
+        service.load_model()  # load (and on first use convert) the model before serving: fail here, clearly
         service.list_sessions()  # open the store: a second server on the same data directory stops here
     except ChatError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -145,7 +145,19 @@ class ChatService:
 
     def count_tokens(self, text: str) -> int:
         """How many tokens the model's tokenizer makes of `text` (loads the model on first use)."""
-        return len(self.engine.encode(text))
+        return self.engine.count_tokens(text)
+
+    def context_window(self) -> int:
+        """The most tokens the model reads at once (loads the model on first use)."""
+        return self.engine.max_context
+
+    def decodes_densely(self) -> bool:
+        """Whether replies decode with dense attention (Spotlight off), not Spotlight."""
+        return self.engine.decodes_densely
+
+    def load_model(self) -> None:
+        """Load (and on first use convert) the model now: `ModelUnavailable` says why it cannot be."""
+        self.engine
 
     def close(self) -> None:
         """Drop the warm contexts and close the store (call when no reply is running)."""

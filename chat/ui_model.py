@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from spotlight.attention import DenseDecode
 from .config import AppConfig
 from spotlight.config import EngineConfig, SamplingConfig, SpotlightConfig
 
@@ -293,11 +292,6 @@ def spotlight_share(spotlight: SpotlightConfig, n_tokens: int, measured: float |
     if dense_engine:
         return f"dense decode: reads 100% per step (Spotlight would read {share}, estimated)"
     return f"Spotlight reads {share} of the context per step (estimated)"
-
-
-def decodes_densely(engine) -> bool:
-    """Whether the engine attends to the whole context at every step."""
-    return isinstance(getattr(engine, "policy", None), DenseDecode)
 
 
 def turn_line(stats: dict | Turn | None, spotlight: SpotlightConfig, dense_engine: bool = False) -> str:

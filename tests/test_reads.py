@@ -1,35 +1,17 @@
-"""The read share of a reply: measured at every decode step (chat/reads.py), stored with the turn,
+"""The read share of a reply: measured at every decode step (the engine's ReadMeter observer,
+tested step by step in tests/test_engine.py), stored with the turn,
 shown under the chat. Issue: "The chat app decodes with Spotlight attention when it is enabled,
 and shows Spotlight's measured share of the context read per decode step"."""
-import contextlib
-
 import pytest
 
-from chat import reads, turns, ui_model as ui
-from chat.service import ChatService
-from spotlight.testing import tiny_engine
-from spotlight.attention import SpotlightDecode
+from chat import ui_model as ui
 from chat.config import AppConfig
+from chat.service import ChatService
 from spotlight.config import SamplingConfig, SpotlightConfig
+from spotlight.testing import tiny_engine
 
 DOCUMENT = " ".join(f"Line {i}: the courier arrives on day {i % 7}." for i in range(12))  # ~480 bytes = tokens
 NEW_TOKENS = 5
-
-
-@pytest.fixture
-def meters(monkeypatch):
-    """Every ReadMeter a reply uses, kept after the reply for inspection."""
-    kept = []
-    real = reads.measuring
-
-    @contextlib.contextmanager
-    def spy(engine):
-        with real(engine) as meter:
-            kept.append(meter)
-            yield meter
-
-    monkeypatch.setattr(turns, "measuring", spy)
-    return kept
 
 
 def reply(tmp_path, engine, text, document=None):
@@ -43,16 +25,14 @@ def reply(tmp_path, engine, text, document=None):
     return service, turn, turn.cached_tokens + turn.prefill_tokens
 
 
-def test_spotlight_turn_reads_the_budget_and_reports_the_recorded_share(tmp_path, meters):
+def test_spotlight_turn_reads_the_budget_and_reports_the_recorded_share(tmp_path):
     engine = tiny_engine(seed=2, spotlight=True)
-    config = engine.policy.config  # dense_layers (0,), dense_below 64, 16 retrieved at least
+    config = engine.spotlight  # dense_layers (0,), dense_below 64, 16 retrieved at least
     service, turn, prompt = reply(tmp_path, engine, "When does the courier come?", DOCUMENT)
     assert (turn.finish, turn.decode_tokens) == ("length", NEW_TOKENS)
-    assert turn.sources  # the sources tally ran stacked on the meter, sharing its StepRecord
-    (meter,) = meters
+    assert turn.sources  # the sources tally observed the same steps
     # One decode step per generated token (the last one's forward too); layer 0 dense, layer 1 Spotlight.
     sizes = [prompt + i for i in range(1, NEW_TOKENS + 1)]
-    assert [(step.n_tokens, step.read) for step in meter.steps] == [(n, (n, config.budget(n))) for n in sizes]
     assert all(config.budget(n) < n for n in sizes)  # the sparse layer really read less
     expected = sum((n + config.budget(n)) / (2 * n) for n in sizes) / len(sizes)
     assert turn.read_share == pytest.approx(expected, abs=1e-12) and turn.spotlight
@@ -60,16 +40,14 @@ def test_spotlight_turn_reads_the_budget_and_reports_the_recorded_share(tmp_path
     assert (stats["read_share"], stats["spotlight"]) == (round(turn.read_share, 4), True)
     shown = f"Spotlight read {100 * stats['read_share']:.1f}% of the context per step"
     assert shown in ui.turn_line(stats, config).split(" · ")
-    assert engine.policy.__class__ is SpotlightDecode and engine.policy.record is None  # both proxies removed
     service.close()
 
 
-def test_below_dense_below_every_step_reads_everything(tmp_path, meters):
+def test_below_dense_below_every_step_reads_everything(tmp_path):
     engine = tiny_engine(seed=2, spotlight=True)
-    config = engine.policy.config
+    config = engine.spotlight
     service, turn, prompt = reply(tmp_path, engine, "Hi")
     assert prompt + NEW_TOKENS < config.dense_below
-    assert [step.read for step in meters[0].steps] == [(n, n) for n in range(prompt + 1, prompt + NEW_TOKENS + 1)]
     assert (turn.read_share, turn.spotlight) == (1.0, True)
     stats = service.history(turn.session_id)[-1].stats
     assert ui.spotlight_share(config, prompt, stats["read_share"], measured_spotlight=stats["spotlight"]) == \
@@ -83,11 +61,3 @@ def test_a_dense_engine_reports_full_reads_as_spotlight_off(tmp_path):
     stats = service.history(turn.session_id)[-1].stats
     assert "Spotlight off: every step read the whole context" in ui.turn_line(stats, SpotlightConfig()).split(" · ")
     service.close()
-
-
-def test_no_decode_step_means_no_measurement():
-    engine = tiny_engine(seed=2, spotlight=True)
-    with reads.measuring(engine) as meter:
-        assert engine.policy is meter and engine.policy.record is not None
-    assert (meter.share(), meter.steps) == (None, [])
-    assert engine.policy.__class__ is SpotlightDecode and engine.policy.record is None

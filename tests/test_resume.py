@@ -1,4 +1,4 @@
-"""Resuming conversations from persisted KV spans (chat/kv.py, chat/turns.py, bench/crash.py).
+"""Resuming conversations from persisted KV spans (chat/cachesync.py, chat/turns.py, bench/crash.py).
 
 Issue: "Persistent cross-turn KV memory: conversations that resume instantly and never lose
 data". A restart is simulated by a new `ChatService` (hence a new `Store`) on the same
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from chat.documents import segment_ends
+from chat.cachesync import CacheKey, prefix_layout
 from chat.render import Renderer
 from chat.service import ChatService
 from spotlight.testing import tiny_engine
@@ -78,8 +78,8 @@ def chat(service, *texts, document=DOCUMENT):
 def test_resumed_logits_equal_the_warm_cache_and_a_full_recompute(engine, tmp_path):
     first = make(tmp_path, engine)
     session_id, _ = chat(first, "When is the meeting?", "Where?")
-    held = Renderer(engine).full(conversation(first, session_id))
-    ids = Renderer(engine).prompt(conversation(first, session_id, ("user", "What should I bring?")))
+    held = list(Renderer(engine).full(conversation(first, session_id)).ids)
+    ids = list(Renderer(engine).prompt(conversation(first, session_id, ("user", "What should I bring?"))).ids)
     warm = next_logits(engine, first._pool.get(session_id), ids)
     first.close()
 
@@ -128,7 +128,7 @@ def test_stored_chain_is_exactly_the_rendered_conversation(tiny, tmp_path):
     service = make(tmp_path, tiny, max_new_tokens=12)
     session_id, turns = chat(service, "first", "second")
     assert any("\ufffd" in turn.text for turn in turns)  # re-tokenising the reply changed its ids
-    full = Renderer(tiny).full(conversation(service, session_id))
+    full = list(Renderer(tiny).full(conversation(service, session_id)).ids)
     key = service._pool.get(session_id)
     assert key.tokens == full
     spans = service.store.spans.session_chain(session_id, _span_key(service, session_id))
@@ -142,7 +142,7 @@ def test_stored_chain_is_exactly_the_rendered_conversation(tiny, tmp_path):
 def test_a_damaged_span_file_is_detected_and_recomputed(tiny, tmp_path, damage):
     first = make(tmp_path, tiny)
     session_id, _ = chat(first, "first question", "second question")
-    ids = Renderer(tiny).prompt(conversation(first, session_id, ("user", "third")))
+    ids = list(Renderer(tiny).prompt(conversation(first, session_id, ("user", "third"))).ids)
     reference = next_logits(tiny, first._pool.get(session_id), ids)
     chain = first.store.spans.session_chain(session_id, _span_key(first, session_id))
     victim = chain[2]  # the first reply's span, in the middle of the chain
@@ -195,7 +195,7 @@ def test_key_codes_round_trip_and_an_encoder_change_recomputes(tmp_path):
     spotlight = tiny_engine(seed=5, spotlight=True)
     first = make(tmp_path, spotlight)
     session_id, _ = chat(first, "question")
-    ids = Renderer(spotlight).prompt(conversation(first, session_id, ("user", "more")))
+    ids = list(Renderer(spotlight).prompt(conversation(first, session_id, ("user", "more"))).ids)
     warm_context = first._pool.get(session_id)
     codes = warm_context.cache.codes[..., : len(warm_context.tokens)].copy()  # (L, Hkv, W, N)
     warm = next_logits(spotlight, warm_context, ids)
@@ -216,7 +216,7 @@ def test_key_codes_round_trip_and_an_encoder_change_recomputes(tmp_path):
 def test_the_same_document_is_prefilled_once_across_conversations(tiny, tmp_path):
     service = make(tmp_path, tiny)
     a, (first,) = chat(service, "What day?")
-    prefix_len = Renderer(tiny).prefix_len(conversation(service, a), Renderer(tiny).full(conversation(service, a)))
+    prefix_len = Renderer(tiny).full(conversation(service, a)).prefix_len
     assert first.cached_tokens == 0 and first.prefill_tokens > prefix_len
     b, (second,) = chat(service, "Which room?")
     assert (second.cached_tokens, second.restored_tokens) == (prefix_len, prefix_len)
@@ -236,10 +236,9 @@ PARAGRAPHS = [" ".join(f"Paragraph {i} sentence {j} tells about topic {i * 7 + j
 LONG_DOCUMENT = "\n\n".join(PARAGRAPHS)  # ~4,500 bytes: a segment or two per paragraph (byte tokenizer)
 
 
-def two_level(engine):
-    """The engine with two-level selection from the first token on (SpotlightConfig.two_level_from)."""
-    engine.policy.config = replace(engine.policy.config, two_level_from=0)
-    return engine
+def two_level(engine, two_level_from: int = 0):
+    """The engine with two-level selection from `two_level_from` cached tokens on."""
+    return engine.with_spotlight(replace(engine.spotlight, two_level_from=two_level_from))
 
 
 def table(context):
@@ -254,14 +253,14 @@ def test_each_document_segment_is_a_span_and_the_cache_segments_survive_a_restar
     engine = tiny_engine(seed=5, spotlight=True)
     first = make(tmp_path, engine)
     session_id, _ = chat(first, "Which topic?", document=LONG_DOCUMENT)
-    conv = conversation(first, session_id)
-    full = Renderer(engine).full(conv)
-    prefix_len = Renderer(engine).prefix_len(conv, full)
-    ends = segment_ends(engine, [LONG_DOCUMENT], full[:prefix_len])
+    rendering = Renderer(engine).full(conversation(first, session_id))
+    full, prefix_len = list(rendering.ids), rendering.prefix_len
+    ends = [r.end for r in rendering.segments]
     chain = [(span.start_pos, span.end_pos)
              for span in first.store.spans.session_chain(session_id, _span_key(first, session_id))]
     edges = [0, *ends[:-1], prefix_len]
     assert len(ends) > 5
+    assert [(a, b) for a, b, _ in prefix_layout(rendering)] == list(zip(edges, edges[1:]))
     assert chain[: len(ends)] == list(zip(edges, edges[1:]))  # one prefix span per document segment
     assert chain[len(ends):] == [(prefix_len, chain[len(ends)][1]), (chain[len(ends)][1], len(full))]  # 2 turns
     fresh = first._pool.get(session_id)
@@ -303,7 +302,7 @@ def test_two_level_decode_answers_the_same_warm_or_restored_and_honours_the_thre
     assert engine.policy.selections["flat"] == before["flat"]
     restored.close()
 
-    engine.policy.config = replace(engine.policy.config, two_level_from=10**9)  # the default is 65536
+    engine = two_level(engine, 10**9)  # the default is 65536
     before = dict(engine.policy.selections)
     below = make(tmp_path / "below", engine, max_new_tokens=12)
     third, _ = chat(below, document=LONG_DOCUMENT)
@@ -323,10 +322,6 @@ def test_kill_9_during_ingestion_and_generation_loses_nothing(tmp_path):
 
 
 def _span_key(service, session_id):
-    """The span fingerprints the service uses for this conversation."""
-    from chat.kv import CacheKey
-
-    renderer = Renderer(service.engine)
-    conv = conversation(service, session_id)
-    full = renderer.full(conv)
-    return CacheKey.for_engine(service.engine, full[: renderer.prefix_len(conv, full)]).span_key
+    """The span key the service uses for this conversation."""
+    rendering = Renderer(service.engine).full(conversation(service, session_id))
+    return CacheKey.for_engine(service.engine, rendering.prefix_ids).span_key
