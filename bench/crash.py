@@ -167,7 +167,7 @@ def _check_session_opens(service, session_id: str, result: TrialResult, resume: 
             return
         report = service.resume(session_id)
         conversation = service._conversation(session_id, service._visible(session_id))
-        expected = len(Renderer(service.engine).full(conversation))
+        expected = len(Renderer(service.engine).full(conversation).ids)
         if report.n_tokens != expected:
             result.problems.append(f"session {session_id}: resumed {report.n_tokens} tokens, expected {expected}")
         bad = [n for n in report.notices if "missing" in n or "corrupt" in n]

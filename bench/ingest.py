@@ -13,7 +13,7 @@ consecutive segments are packed into parts of at most SPAN_TOKENS (2048) tokens,
 part is prefilled on its own fresh context (positions 0..len, chunked prefill of
 `prefill_chunk` tokens, the engine's default policy). In a conversation that fits the window,
 the app prefills the same segments one after another in one context and stores each segment
-as its own span (chat/kv.py). The time covers tokenising, segmenting and prefilling.
+as its own span (chat/cachesync.py). The time covers tokenising, segmenting and prefilling.
 Attention inside a part is quadratic in the part length, so the total is linear in the
 document length for a fixed part size.
 
@@ -72,11 +72,9 @@ def spans_of(engine, text: str) -> list[list[int]]:
 
 
 def prefill_seconds(engine, ids: list[int]) -> float:
-    from spotlight.generate import prefill
-
     context = engine.new_context(len(ids) + 1)
     started = time.perf_counter()
-    prefill(engine.model, context, ids, engine.policy, chunk=engine.config.prefill_chunk)
+    engine.prefill(context, ids)
     return time.perf_counter() - started
 
 

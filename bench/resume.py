@@ -15,7 +15,7 @@ fresh Context, to its first token, measured in this run.
 
 Row "32K": beyond SmolLM2's 8K window, so the spans are synthetic: 16 spans of 2048
 random token ids with random K/V (and random key codes with --spotlight) of the model's
-exact shapes, stored through the store like real ones. Resume = `SpanCache.restore` (the
+exact shapes, stored through the store like real ones. Resume = `CacheSync.restore` (the
 code path `send()` uses: chain, pin, checksum, token check, load) + one decode step, in
 a new process (median of three). Recompute: measured for real in full mode (32K random
 tokens prefilled in the engine's chunks, then one step); in --quick mode *estimated* from
@@ -106,7 +106,7 @@ def resume_conversation(home: str, session_id: str, spotlight: bool, threads: in
         assert turn.restored_tokens >= DOC_TOKENS and not turn.notices, f"the cache was not reused: {turn}"
         times.append(seconds)
         records = reader._visible(session_id)[:-1]  # the prompt this reply answered
-        prompt = Renderer(engine).prompt(reader._conversation(session_id, records))
+        prompt = list(Renderer(engine).prompt(reader._conversation(session_id, records)).ids)
         reader.close()
     return {"times": times, "prompt": prompt, "restored": turn.restored_tokens, "computed": turn.prefill_tokens}
 
@@ -143,7 +143,7 @@ def synthetic_ids(engine) -> list[int]:
 
 def write_synthetic(engine, root: Path) -> str:
     """Store 16 synthetic prefix spans for one session; returns its id."""
-    from chat.kv import CacheKey
+    from chat.cachesync import CacheKey
     from memory import Store
     from memory.config import StoreConfig
 
@@ -161,19 +161,20 @@ def write_synthetic(engine, root: Path) -> str:
 
 def resume_synthetic(root: str, session_id: str, spotlight: bool, threads: int | None) -> dict:
     """In a fresh process: restore the 32K spans with a new Store + one decode step, RUNS times."""
-    from chat.kv import CacheKey, SpanCache
+    from chat.cachesync import CacheSync
+    from chat.render import Rendering
     from memory import Store
     from memory.config import StoreConfig
 
     engine = load_engine(spotlight, threads)
     service(engine, Path(root)).warm_up()  # as ChatService does after loading its engine
     ids = synthetic_ids(engine)
-    key = CacheKey.for_engine(engine, ids)
+    rendering = Rendering(tuple(ids), (), LONG, (), (), ())  # all of it a stored prefix
     runs = []
     for _ in range(RUNS):
         with Store(StoreConfig(Path(root))) as store:
             started = time.perf_counter()
-            context, restored = SpanCache(store, engine).restore(session_id, ids, key, LONG)
+            context, restored = CacheSync(store, engine).restore(session_id, rendering)
             restore_s = time.perf_counter() - started
             _first_step(engine, context)
             runs.append((time.perf_counter() - started, restore_s))
@@ -209,8 +210,8 @@ def _random_span(engine, rng, ids: list[int]):
     a = engine.args
     shape = (a.n_layers, a.n_kv_heads, len(ids), a.head_dim)  # (L, Hkv, T, D)
     codes = None
-    if engine.policy.code_words:
-        codes = rng.integers(0, 2**63, (a.n_layers, a.n_kv_heads, engine.policy.code_words, len(ids)),
+    if not engine.decodes_densely:
+        codes = rng.integers(0, 2**63, (a.n_layers, a.n_kv_heads, engine.spotlight.words, len(ids)),
                              dtype=np.uint64)  # (L, Hkv, W, T)
     return SpanTensors(k=rng.standard_normal(shape, dtype=np.float32), v=rng.standard_normal(shape, dtype=np.float32),
                        token_ids=np.asarray(ids), key_codes=codes)

@@ -95,7 +95,7 @@ class Turn:
     user_message_id: MessageId | None = None
     message_id: MessageId | None = None  # the assistant message, once stored
     sources: list[Source] | None = None  # set on the final Turn when the prompt holds documents
-    read_share: float | None = None  # mean share of the context a decode step read (chat/reads.py)
+    read_share: float | None = None  # mean share of the context a decode step read (spotlight ReadMeter)
     spotlight: bool = False  # decoded with Spotlight attention (else densely)
 
     @property

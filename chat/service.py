@@ -7,7 +7,7 @@
 
 Conversations, their branches and documents live in the store (memory/); their KV
 caches are persisted as spans after every turn and restored on the first use after a
-restart (chat/kv.py, chat/turns.py). The engine is a shared, single-flight resource: one
+restart (chat/cachesync.py, chat/turns.py). The engine is a shared, single-flight resource: one
 gate serialises every model call; each conversation has its own cancel flag, checked at
 every decode step and between prefill chunks (chat/runtime.py). Errors are `ChatError`s
 (chat/errors.py) whose messages say how to fix them.

@@ -5,7 +5,7 @@ S spans (Scap allocated), N cached tokens (including the one being decoded), R r
 T tokens of one span.
 
 A KV cache with key codes in host memory carries a `SpanTable` (`KVCache.spans`): ascending,
-disjoint token spans, one per stored memory span (chat/kv.py: the prefix cut at document segment
+disjoint token spans, one per stored memory span (chat/cachesync.py: the prefix cut at document segment
 ends, then each chat turn, long parts in fixed-size blocks), each with its own code table (its
 range of cache.codes) and a summary per layer and KV head: ones[l, h, s, b], how many of the
 span's tokens have code bit b set. Tokens outside every span (the turn being written or
