@@ -33,7 +33,6 @@ NOTE: the output of `decode` is a reused buffer, valid until the next call of th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -154,22 +153,12 @@ class DenseDecode:
         return self.attend.dense(layer, q, cache)  # (H, 1, D)
 
 
-@dataclass
-class StepRecord:
-    """What the last decode step of each layer selected (for sources and diagnostics)."""
-
-    n_tokens: int = 0
-    selected: dict | None = None  # layer -> (Hkv, K) int32 indices
-    two_level: dict | None = None  # layer -> True when spans were picked first, False for the flat scan
-
-
 class SpotlightDecode:
     """Sparse decode attention over the tokens a selector picks."""
 
     def __init__(self, config: SpotlightConfig, selector):
         self.config = config
         self.selector = selector
-        self.record: StepRecord | None = None  # set to StepRecord() to keep each step's selections
         self.selections = {"flat": 0, "two_level": 0}  # sparse layer-steps by path, since construction
         self.attend = Attend()
         self._selected: dict[int, object] = {}  # layer -> what its last decode read (None: all rows)
@@ -213,20 +202,7 @@ class SpotlightDecode:
         idx = select(layer, q, cache, n, retrieved, c.sinks, c.window)  # (Hkv, K) int
         self.selections["two_level" if two_level else "flat"] += 1
         self._selected[layer] = idx
-        if self.record is not None:
-            self.record.n_tokens = n
-            self.record.selected = self.record.selected or {}
-            self.record.selected[layer] = _host_copy(idx)  # idx may be a reused buffer
-            self.record.two_level = self.record.two_level or {}
-            self.record.two_level[layer] = two_level
         return self.attend.sparse(layer, q, cache, idx)  # (H, 1, D)
-
-
-def _host_copy(idx) -> np.ndarray:
-    """A numpy copy of a selection (numpy, or a torch tensor on any device)."""
-    if isinstance(idx, torch.Tensor):
-        return idx.cpu().numpy().copy()
-    return np.array(idx, copy=True)
 
 
 def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx) -> torch.Tensor:

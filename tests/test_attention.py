@@ -4,7 +4,7 @@ import torch
 
 from conftest import tiny_pair
 from spotlight.attention import (CodeSelector, DenseDecode, OracleSelector, QuestSelector, SinkWindowSelector,
-                                 SpotlightDecode, StepRecord)
+                                 SpotlightDecode)
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.hashing import EncoderSpec, Encoders
@@ -79,9 +79,8 @@ def test_dense_below_and_dense_layers_are_honoured():
 def test_only_non_dense_layers_select():
     model, encoders = model_and_encoders()
     policy = spotlight(encoders, dense_layers=(0,))
-    policy.record = StepRecord()
     decode_logits(model, policy, PROMPT, STEPS[:1], code_words=2)
-    assert sorted(policy.record.selected) == [1]
+    assert [policy.selection(layer) is not None for layer in range(model.args.n_layers)] == [False, True]
 
 
 @pytest.mark.parametrize("selector_name", ["spotlight", "oracle", "quest", "sinkwindow"])
@@ -91,13 +90,11 @@ def test_selection_has_sinks_window_and_exactly_the_budget(selector_name):
                 "sinkwindow": SinkWindowSelector()}[selector_name]
     config = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, ratio=0.05, k_min=8)
     policy = SpotlightDecode(config, selector)
-    policy.record = StepRecord()
     decode_logits(model, policy, PROMPT, STEPS[:1], code_words=selector.code_words)
-    n = policy.record.n_tokens
-    assert n == len(PROMPT) + 1
+    n = len(PROMPT) + 1
     budget = config.budget(n)
-    for layer, idx in policy.record.selected.items():
-        idx = torch.as_tensor(idx)
+    for layer in range(model.args.n_layers):
+        idx = torch.as_tensor(policy.selection(layer))
         assert idx.shape == (model.args.n_kv_heads, budget)
         for row in idx.tolist():
             assert row == sorted(set(row)), "indices ascending and distinct"
