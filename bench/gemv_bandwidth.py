@@ -25,6 +25,7 @@ import numpy as np
 from numba import njit
 
 import kernels
+from bench.quant_speed import median_seconds
 from kernels.linear import ROWS, MatVec
 
 SHAPE = (1536, 576)  # (F, E): SmolLM2's ffn gate / up
@@ -65,15 +66,7 @@ def aligned_matrices(count: int, offset: int, rng) -> list[np.ndarray]:
 
 def pass_seconds(calls, runs: int, clock) -> float:
     """Median seconds of one pass over `calls` (one warm-up pass first)."""
-    for call in calls:
-        call()
-    times = []
-    for _ in range(runs):
-        start = clock()
-        for call in calls:
-            call()
-        times.append(clock() - start)
-    return float(np.median(times))
+    return median_seconds(calls, runs, clock) * len(calls)
 
 
 def report(label: str, calls, nbytes: int, runs: int, cpu: bool = True) -> None:
