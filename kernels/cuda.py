@@ -2,7 +2,7 @@
 
 Shape legend: H query heads, Hkv KV heads, G = H / Hkv, r code bits, W words, N capacity,
 n valid tokens, T new tokens, K selected per KV head, S = G * W * 64 the largest score,
-segs = ceil(middle / SEGMENT) token segments per head.
+tiles = ceil(middle / TILE) token tiles per head.
 
 Same contract as kernels/cpu.py (the reference), bit-identical integer results. cupy is imported
 on first use only; without it, or without a device, `backend()` raises CudaUnavailable. The
@@ -37,12 +37,12 @@ THREADS = 256  # threads per block of every kernel (a multiple of 32)
 SCORE_UNROLL = 4  # tokens per thread and pass of hamming_scores (kernels/retrieval.cu's #define)
 SELECT_ITEMS = 32  # tokens per thread in select_count / select_write (kernels/retrieval.cu's #define):
                    # each warp owns 32 * SELECT_ITEMS contiguous tokens, read 32 at a time
-SEGMENT = THREADS * SELECT_ITEMS  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
+TILE = THREADS * SELECT_ITEMS  # tokens per block in select_count / select_write (< 65536: packed 16-bit counts)
 BLOCKS_PER_SM = 16  # grid of the grid-stride scoring kernels: two waves of 8 resident blocks (2048 threads per
                     # SM): 2.4-2.5 us faster than one wave at 512K tokens on an H200 (docs/gpu/)
 MAX_BINS = 12288  # histogram bins (int32) in the 48 KiB of shared memory a launch gets without opt-in;
                   # below 65536, so the fused paths keep uint16 scores (half the selection kernels' reads)
-RANGE_SPLIT = 8  # blocks per range in range_scores (a range may be one 512-token segment or the whole middle)
+RANGE_SPLIT = 8  # blocks per range in range_scores (a range may be one 512-token span or the whole middle)
 
 
 @functools.cache
@@ -319,20 +319,20 @@ def ranges_score_select(q_codes, k_codes, n: int, range_lo, range_hi, range_coun
          np.int64(kc.shape[2]), np.int32(group), np.int32(words), hist, np.int32(bins)),
         shared_mem=group * words * 8 + bins * 4,
     )
-    _select_from_hist(buf.scores, kc.shape[2], layout, _SelectBuffers(hist, buf.seg_counts), dest)
+    _select_from_hist(buf.scores, kc.shape[2], layout, _SelectBuffers(hist, buf.tile_counts), dest)
     return dest
 
 
 def _select_from_hist(s, stride, layout, buf, dest) -> None:
-    """Per-segment counts, then the ordered write (with the forced indices); each finds the cut itself."""
+    """Per-tile counts, then the ordered write (with the forced indices); each finds the cut itself."""
     hkv, bins = buf.hist.shape
-    segs = -(-layout.middle // SEGMENT)
-    counts = buf.seg_counts[: hkv * segs * 2]
+    tiles = -(-layout.middle // TILE)
+    counts = buf.tile_counts[: hkv * tiles * 2]
     lo, hi, r = np.int32(layout.sinks_end), np.int32(layout.window_start), np.int32(layout.retrieved)
-    _score_kernel("select_count", s)((segs, hkv), (THREADS,),
-                            (s, np.int64(stride), lo, hi, np.int32(SEGMENT), buf.hist, np.int32(bins), r, counts))
-    _score_kernel("select_write", s)((segs, hkv), (THREADS,),
-                            (s, np.int64(stride), np.int32(layout.n), lo, hi, np.int32(SEGMENT), buf.hist,
+    _score_kernel("select_count", s)((tiles, hkv), (THREADS,),
+                            (s, np.int64(stride), lo, hi, np.int32(TILE), buf.hist, np.int32(bins), r, counts))
+    _score_kernel("select_write", s)((tiles, hkv), (THREADS,),
+                            (s, np.int64(stride), np.int32(layout.n), lo, hi, np.int32(TILE), buf.hist,
                              np.int32(bins), r, counts, dest, np.int32(layout.size)))
 
 
@@ -405,17 +405,17 @@ class _SelectBuffers:
     """Device scratch of the selection kernels (and, in Scratch, of the fused scores)."""
 
     hist: object  # (Hkv, bins) int32
-    seg_counts: object  # (Hkv * segs * 2,) int32: tokens above / at the cut per segment
+    tile_counts: object  # (Hkv * tiles * 2,) int32: tokens above / at the cut per tile
 
     def fits(self, hkv: int, bins: int, middle: int) -> bool:
-        segs = -(-middle // SEGMENT)
-        return self.hist.shape[0] == hkv and self.hist.shape[1] >= bins and self.seg_counts.size >= hkv * segs * 2
+        tiles = -(-middle // TILE)
+        return self.hist.shape[0] == hkv and self.hist.shape[1] >= bins and self.tile_counts.size >= hkv * tiles * 2
 
     @classmethod
     def make(cls, hkv: int, middle: int, bins: int) -> "_SelectBuffers":
         cp = _cupy()
-        segs = max(1, -(-middle // SEGMENT))
-        return cls(cp.zeros((hkv, bins), np.int32), cp.empty(hkv * segs * 2, np.int32))
+        tiles = max(1, -(-middle // TILE))
+        return cls(cp.zeros((hkv, bins), np.int32), cp.empty(hkv * tiles * 2, np.int32))
 
 
 @dataclass
@@ -430,4 +430,4 @@ def make_scratch(q_codes, k_codes) -> Scratch:
     if group * words * WORD_BITS + 1 > MAX_BINS:
         raise ValueError(f"G * W * 64 = {group * words * WORD_BITS} exceeds the CUDA histogram's {MAX_BINS - 1}")
     base = _SelectBuffers.make(hkv, k.shape[2], group * words * WORD_BITS + 1)
-    return Scratch(base.hist, base.seg_counts, _cupy().empty((hkv, k.shape[2]), np.uint16))
+    return Scratch(base.hist, base.tile_counts, _cupy().empty((hkv, k.shape[2]), np.uint16))

@@ -94,7 +94,7 @@ if HAVE_NUMBA:  # the plain Python functions above are also the no-numba fallbac
 
     @njit(cache=True)
     def _best_first(scores, width, need):
-        """Segment indices by (score desc, index asc), enough of them to cover `need` tokens of `width`.
+        """Range indices by (score desc, index asc), enough of them to cover `need` tokens of `width`.
 
         Only the spans scoring at least the c-th best are sorted, c = the most spans `need` can
         take (need / the narrowest non-empty width + 1): the same prefix as a full stable sort.

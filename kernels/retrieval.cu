@@ -8,8 +8,8 @@
 //
 // Shapes (row-major, int64 offsets): q (H, W), k (Hkv, W, N), scores (Hkv, stride) of S = int or
 // unsigned short (the fused path keeps 16-bit scores: S <= G * W * 64 < MAX_BINS, half the traffic),
-// hist (Hkv, bins), seg_counts (Hkv, segs, 2) = {above the cut, at the cut}, out (Hkv, K).
-// Selection is two passes over the scores after the histogram: count per segment, then write;
+// hist (Hkv, bins), tile_counts (Hkv, tiles, 2) = {above the cut, at the cut}, out (Hkv, K).
+// Selection is two passes over the scores after the histogram: count per tile, then write;
 // each block finds the cut from the histogram itself, so no kernel only for it.
 // Compiled lazily by CuPy (kernels/cuda.py); `nvcc -cubin` checks it in the tests.
 
@@ -175,8 +175,8 @@ __device__ void find_cut(const int* __restrict__ hh, int bins, int r, int* cut, 
     __syncthreads();  // found is reused by the next call
 }
 
-// Tokens per thread in select_count / select_write: a segment is blockDim.x * SELECT_ITEMS tokens
-// (kernels/cuda.py passes seg = THREADS * SELECT_ITEMS). Warp w owns the contiguous run of
+// Tokens per thread in select_count / select_write: a tile is blockDim.x * SELECT_ITEMS tokens
+// (kernels/cuda.py passes tile = THREADS * SELECT_ITEMS). Warp w owns the contiguous run of
 // 32 * SELECT_ITEMS tokens starting at s0 + w * 32 * SELECT_ITEMS; its item j is the 32 tokens
 // run + 32 j + lane, so every load of a warp is one coalesced 32-token read, and the order of the
 // tokens is (warp, item, lane): ballots rank a lane among its warp's 32 tokens of an item.
@@ -191,7 +191,7 @@ __device__ void load_items(const S* __restrict__ row, int s0, int s1, int* v) {
     for (int j = 0; j < SELECT_ITEMS; ++j) v[j] = t0 + 32 * j < s1 ? (int)row[t0 + 32 * j] : -1;
 }
 
-// above + (ties << 16) of the items against the cut: a segment holds fewer than 65536 of each.
+// above + (ties << 16) of the items against the cut: a tile holds fewer than 65536 of each.
 __device__ int count_items(const int* v, int cut) {
     int packed = 0;
 #pragma unroll
@@ -199,41 +199,41 @@ __device__ int count_items(const int* v, int cut) {
     return packed;
 }
 
-// grid (x: segments of `seg` tokens of [lo, hi), y: head): per segment, how many tokens score
-// above the cut and how many score exactly the cut, into seg_counts[h, segment] = {above, ties}.
+// grid (x: tiles of `tile` tokens of [lo, hi), y: head): per tile, how many tokens score
+// above the cut and how many score exactly the cut, into tile_counts[h, tile] = {above, ties}.
 template <typename S>
 __global__ void select_count(const S* __restrict__ scores, long long score_stride, int lo, int hi,
-                             int seg, const int* __restrict__ hist, int bins, int r,
-                             int* __restrict__ seg_counts) {
+                             int tile, const int* __restrict__ hist, int bins, int r,
+                             int* __restrict__ tile_counts) {
     int h = blockIdx.y, cut, ties, total;
-    int s0 = lo + blockIdx.x * seg, v[SELECT_ITEMS];
-    load_items(scores + h * score_stride, s0, min(hi, s0 + seg), v);
+    int s0 = lo + blockIdx.x * tile, v[SELECT_ITEMS];
+    load_items(scores + h * score_stride, s0, min(hi, s0 + tile), v);
     find_cut(hist + (long long)h * bins, bins, r, &cut, &ties);
     block_exclusive_scan(count_items(v, cut), &total);
     if (threadIdx.x == 0) {
-        int* c = seg_counts + ((long long)h * gridDim.x + blockIdx.x) * 2;
+        int* c = tile_counts + ((long long)h * gridDim.x + blockIdx.x) * 2;
         c[0] = total & 0xffff;
         c[1] = total >> 16;
     }
 }
 
-// grid (x: segments, y: head): ordered compaction. A token scoring above the cut, or scoring
+// grid (x: tiles, y: head): ordered compaction. A token scoring above the cut, or scoring
 // the cut with fewer than `ties` equal tokens before it, goes to position
 // #(above before it) + min(#(ties before it), ties) of the retrieved part of out[h]; the
-// counts before the segment are summed from seg_counts, those before a warp's run come from
-// one block scan, and within the run each item's ballots rank the lanes. Segment 0 also writes
+// counts before the tile are summed from tile_counts, those before a warp's run come from
+// one block scan, and within the run each item's ballots rank the lanes. Tile 0 also writes
 // the forced indices: out[h, :sinks_end] = 0.., out[h, sinks_end + r:] = window_start..n-1.
 template <typename S>
 __global__ void select_write(const S* __restrict__ scores, long long score_stride, int n,
-                             int sinks_end, int window_start, int seg, const int* __restrict__ hist,
-                             int bins, int r, const int* __restrict__ seg_counts,
+                             int sinks_end, int window_start, int tile, const int* __restrict__ hist,
+                             int bins, int r, const int* __restrict__ tile_counts,
                              int* __restrict__ out, int out_stride) {
     int h = blockIdx.y, cut, ties, total;
-    int s0 = sinks_end + blockIdx.x * seg, v[SELECT_ITEMS];
-    load_items(scores + h * score_stride, s0, min(window_start, s0 + seg), v);
+    int s0 = sinks_end + blockIdx.x * tile, v[SELECT_ITEMS];
+    load_items(scores + h * score_stride, s0, min(window_start, s0 + tile), v);
     find_cut(hist + (long long)h * bins, bins, r, &cut, &ties);
     int mine = count_items(v, cut);
-    const int* c = seg_counts + (long long)h * gridDim.x * 2;
+    const int* c = tile_counts + (long long)h * gridDim.x * 2;
     int above_sum = 0, ties_sum = 0;
     for (int i = threadIdx.x; i < (int)blockIdx.x; i += blockDim.x) {
         above_sum += c[2 * i];
