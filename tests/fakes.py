@@ -91,3 +91,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class SelectionRecorder:
+    """A StepObserver (spotlight/observers.py) that keeps what each decode step selected:
+    `steps[i]` maps each sparse layer to a host copy of its (Hkv, K) selection."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self._current: dict = {}
+
+    def on_layer(self, layer, q, cache, selected) -> None:
+        if selected is not None:
+            self._current[layer] = (selected.cpu().numpy() if hasattr(selected, "cpu") else selected).copy()
+
+    def on_step(self, n_tokens: int) -> None:
+        self.steps.append(self._current)
+        self._current = {}

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import tiny_pair
-from spotlight.attention import CodeSelector, DenseDecode, SpotlightDecode, StepRecord
+from fakes import SelectionRecorder
+from spotlight.attention import CodeSelector, DenseDecode, SpotlightDecode
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.hashing import EncoderSpec, Encoders
@@ -45,15 +46,14 @@ def run(model, policy, code_words):
     """Prefill PROMPT (two chunks), decode STEPS one by one: (logits (S, V) on the host, per-step selections, cache)."""
     cache = KVCache(model.args, 64, dtype=model.tok_embeddings.weight.dtype,
                     device=model.tok_embeddings.weight.device, code_words=code_words)
-    logits, selections = [], []
+    logits, recorder = [], SelectionRecorder()
     with torch.inference_mode():
         model(torch.tensor(PROMPT[:CHUNK]), cache, policy)  # two prefill chunks: the second one is masked
         model(torch.tensor(PROMPT[CHUNK:]), cache, policy)
         for token in STEPS:
-            logits.append(model(torch.tensor([token]), cache, policy).double().cpu())
-            if getattr(policy, "record", None) is not None:
-                selections.append({layer: idx.copy() for layer, idx in policy.record.selected.items()})
-    return torch.stack(logits), selections, cache
+            logits.append(model(torch.tensor([token]), cache, policy, observers=[recorder]).double().cpu())
+            recorder.on_step(cache.length)  # the decode loop's call (spotlight/generate.py)
+    return torch.stack(logits), recorder.steps, cache
 
 
 def host_codes(codes) -> np.ndarray:
@@ -68,7 +68,6 @@ def test_cuda_spotlight_decode_equals_the_cpu_path_in_float64():
     results = []
     for model, encoders in ((cpu, cpu_enc), (gpu, gpu_enc)):
         policy = SpotlightDecode(CONFIG, CodeSelector(encoders))
-        policy.record = StepRecord()
         results.append(run(model, policy, code_words=2))
     (cpu_logits, cpu_sel, cpu_cache), (gpu_logits, gpu_sel, gpu_cache) = results
     assert isinstance(gpu_cache.codes, torch.Tensor) and gpu_cache.codes.is_cuda
@@ -93,11 +92,10 @@ def test_cuda_ratio_100_percent_equals_dense_on_the_device():
 def test_cuda_bf16_selection_has_sinks_window_and_the_budget():
     _, (gpu, encoders) = models(torch.bfloat16)
     policy = SpotlightDecode(CONFIG, CodeSelector(encoders))
-    policy.record = StepRecord()
     logits, selections, cache = run(gpu, policy, code_words=2)
     assert torch.isfinite(logits).all()
     n = len(PROMPT) + len(STEPS)  # the last step attends to every token fed
-    assert policy.record.n_tokens == n
+    assert cache.length == n
     for layer, idx in selections[-1].items():
         assert idx.shape == (gpu.args.n_kv_heads, CONFIG.budget(n))
         for row in idx.tolist():

@@ -6,7 +6,8 @@ import torch
 import kernels
 from conftest import tiny_pair
 from kernels import cpu, ranges
-from spotlight.attention import CodeSelector, SpotlightDecode, StepRecord
+from fakes import SelectionRecorder
+from spotlight.attention import CodeSelector, SpotlightDecode
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.hashing import EncoderSpec, Encoders
@@ -197,18 +198,20 @@ def run(model, selector, spans, steps=3, two_level_from=TWO_LEVEL):
     config = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, ratio=0.05, k_min=8, bits=128,
                              two_level_from=two_level_from)
     policy = SpotlightDecode(config, selector)
-    policy.record = StepRecord()
+    recorder = SelectionRecorder()
     cache = KVCache(model.args, 64, code_words=2)
-    logits, selections, paths = [], [], []
+    logits, paths = [], []
     with torch.inference_mode():
         model(torch.tensor(PROMPT), cache, policy)
         for a, b in spans:
             cache.spans.add(a, b)
         for token in [5, 17, 99][:steps]:
-            logits.append(model(torch.tensor([token]), cache, policy))
-            selections.append({layer: idx.copy() for layer, idx in policy.record.selected.items()})
-            paths.append(dict(policy.record.two_level))
-    return torch.stack(logits), selections, paths
+            before = policy.selections["two_level"]
+            logits.append(model(torch.tensor([token]), cache, policy, observers=[recorder]))
+            recorder.on_step(cache.length)  # the decode loop's call (spotlight/generate.py)
+            two_level = policy.selections["two_level"] - before  # sparse layers that picked spans first
+            paths.append({layer: two_level == len(recorder.steps[-1]) for layer in recorder.steps[-1]})
+    return torch.stack(logits), recorder.steps, paths
 
 
 def encoders_and_model():
