@@ -33,6 +33,7 @@ import gradio as gr  # noqa: E402
 
 from chat import documents as uploads  # noqa: E402
 from chat import ui_model as ui  # noqa: E402
+from chat import web_guard  # noqa: E402
 from chat.errors import ChatError, NotFoundError  # noqa: E402
 from chat.service import ChatService  # noqa: E402
 from chat.config import AppConfig, EngineConfig  # noqa: E402
@@ -488,7 +489,7 @@ class Handlers:
             gr.Warning(ui.STALE_EDIT)
             yield Reply(self.view(session_id), gr.skip())
             return
-        yield from self.edit(session_id, message_id, text_of(data.value))
+        yield from self.edit(session_id, message_id, ui.from_text(text_of(data.value)))
 
     def undo(self, session_id: str | None) -> Reply:
         """Hide the last exchange; its question goes back into the message box."""
@@ -668,11 +669,12 @@ def adapted(handler, outputs: list, status: list):
 
 def serve(service: ChatService, host: str = "127.0.0.1", port: int = 7860, *, password: str | None = None,
           **launch_options):
-    """Build the UI and launch it with its style, shortcuts and (optional) password."""
+    """Build the UI and launch it with its style, shortcuts and (optional) password, behind
+    chat/web_guard.py (the Content-Security-Policy, the login back-off)."""
     demo = build_ui(service).queue(default_concurrency_limit=4)
-    auth = (lambda _user, given: given == password) if password else None
+    auth = web_guard.password_check(password) if password else None
     demo.launch(server_name=host, server_port=port, auth=auth, css=CSS, head=HEAD,
-                theme=THEME, footer_links=["api"],
+                theme=THEME, footer_links=["api"], app_kwargs={"middleware": web_guard.middleware()},
                 auth_message="Spotlight Chat: any user name, the server's password", **launch_options)
     return demo
 

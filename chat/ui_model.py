@@ -37,6 +37,14 @@ READING = "reading the conversation…"  # the status line while a prompt is pre
 STALE_EDIT = "This conversation changed (another tab?); it was reloaded. Edit the message again."
 NOTHING_CHANGED = "Nothing changed."
 _TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
+# Markdown's syntax characters: escaped with a backslash (CommonMark renders `\X` as X), so
+# user and document text shows character for character and no HTML, image or link in it is live.
+_MARKDOWN_ANYWHERE = re.compile(r"([\\`*_\[\]<>&|~$])")
+_MARKDOWN_LINE_START = re.compile(r"^([ \t]*)([#=+-]|\d+[.)])", re.MULTILINE)
+_ESCAPED = re.compile(r"\\([\\`*_\[\]<>&|~$#=+.)-])")
+# Code in a reply (fenced blocks, also unclosed while streaming, and inline spans): shown as is.
+_REPLY_CODE = re.compile(r"(^[ \t]*```[\s\S]*?(?:^[ \t]*```|\Z)|^[ \t]*~~~[\s\S]*?(?:^[ \t]*~~~|\Z)|`[^`\n]+`)",
+                         re.MULTILINE)
 
 
 # ----------------------------------------------------------------------------- sessions
@@ -105,7 +113,7 @@ def screen(sessions: list[SessionInfo], info: SessionInfo | None, history: list[
                       info.system_prompt if info else "") if model.window else None
     choices, chosen = version_choices(history, near)
     return Screen(session_choices(sessions), None if sessions else NO_SESSIONS,
-                  f"### {info.title if info else 'New conversation'}", chat_messages(history)[0],
+                  f"### {as_text(info.title) if info else 'New conversation'}", chat_messages(history)[0],
                   chips_html(documents), gauge_html(use),
                   turn_line(last_stats(history), config.spotlight, model.window is not None and model.dense),
                   choices, chosen)
@@ -120,7 +128,7 @@ def chat_messages(history: list[ChatMessage]) -> tuple[list[dict], list[str | No
     messages: list[dict] = []
     ids: list[str | None] = []
     for message in history:
-        messages.append({"role": message.role, "content": message.content})
+        messages.append({"role": message.role, "content": message_content(message.role, message.content)})
         ids.append(message.id)
         sources = message_sources(message)
         if sources:
@@ -174,12 +182,37 @@ def before(history: list[ChatMessage], message_id: str) -> list[ChatMessage]:
     return next((history[:i] for i, m in enumerate(history) if m.id == message_id), history)
 
 
+def as_text(text: str) -> str:
+    """Markdown source that shows `text` exactly as typed: no formatting, no live HTML,
+    images or links, no character dropped (each syntax character gets a backslash)."""
+    escaped = _MARKDOWN_ANYWHERE.sub(r"\\\1", text)
+    return _MARKDOWN_LINE_START.sub(lambda m: m[1] + m[2][:-1] + "\\" + m[2][-1], escaped)
+
+
+def from_text(shown: str) -> str:
+    """The text `as_text` shows (the inverse: a message edited in the chat is its Markdown source)."""
+    return _ESCAPED.sub(r"\1", shown)
+
+
+def inert_markdown(text: str) -> str:
+    """A model reply's Markdown with its raw HTML shown as text and its images as links
+    (an image would be fetched from wherever it points); code spans and blocks are kept."""
+    parts = _REPLY_CODE.split(text)
+    return "".join(part if index % 2 else part.replace("<", "\\<").replace("![", "!\\[")
+                   for index, part in enumerate(parts))
+
+
+def message_content(role: str, text: str) -> str:
+    """What the chat shows of a stored message: replies as Markdown (made inert), the rest as text."""
+    return inert_markdown(text) if role == "assistant" else as_text(text)
+
+
 def user_message(text: str) -> dict:
-    return {"role": "user", "content": text}
+    return {"role": "user", "content": as_text(text)}
 
 
 def assistant_message(text: str) -> dict:
-    return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": inert_markdown(text)}
 
 
 def pending_message(title: str = "Reading the conversation…") -> dict:
@@ -206,7 +239,8 @@ def sources_message(sources: list) -> dict:
             text = source.get("text") or source.get("quote") or ""
         else:
             where, text = "", str(source)
-        lines.append(f"> {text.strip()}" + (f"\n>\n> — *{where}*" if where else ""))
+        quote = as_text(text.strip()).replace("\n", "\n> ")
+        lines.append(f"> {quote}" + (f"\n>\n> — *{as_text(where)}*" if where else ""))
     return {"role": "assistant", "content": "\n\n".join(lines),
             "metadata": {"title": f"Sources ({len(sources)})", "status": "done"}}
 

@@ -320,3 +320,30 @@ def test_command_line_defaults_and_password_from_the_environment(monkeypatch):
     assert (args.host, args.port, args.model, args.password, args.max_new_tokens) == ("127.0.0.1", 7860, None, None, None)
     monkeypatch.setenv("SPOTLIGHT_PASSWORD", "from-env")
     assert parse_args(["--port", "8000"]).password == "from-env"
+
+
+# ----------------------------------------------------------------------------- issue #19: what the browser sees
+
+
+def test_user_and_document_text_is_shown_as_text_character_for_character():
+    typed = "<script>alert(1)</script> <b>bold</b> ![](http://127.0.0.1:9999/x) *a* _b_ `c` a&amp;b $$x$$ | ~~s~~"
+    lines = "# not a heading\n1. not a list\n- nor this\n> nor a quote\nC:\\dir \\*"
+    for text in (typed, lines):
+        assert ui.from_text(ui.as_text(text)) == text
+    assert ui.as_text(typed) == ("\\<script\\>alert(1)\\</script\\> \\<b\\>bold\\</b\\> !\\[\\](http://127.0.0.1:9999/x) "
+                                 "\\*a\\* \\_b\\_ \\`c\\` a\\&amp;b \\$\\$x\\$\\$ \\| \\~\\~s\\~\\~")
+    assert ui.as_text(lines) == "\\# not a heading\n1\\. not a list\n\\- nor this\n\\> nor a quote\nC:\\\\dir \\\\\\*"
+    assert ui.user_message("a <b>") == {"role": "user", "content": "a \\<b\\>"}
+
+
+def test_replies_keep_markdown_but_their_html_and_images_are_inert():
+    reply = 'See <img src="http://10.0.0.1/x.png"> and ![map](http://10.0.0.1/m.png), **bold**, `<b>` kept\n' \
+            "```html\n<i>code</i>\n```\nafter <b>it</b>"
+    assert ui.inert_markdown(reply) == ('See \\<img src="http://10.0.0.1/x.png"> and !\\[map](http://10.0.0.1/m.png), '
+                                        "**bold**, `<b>` kept\n```html\n<i>code</i>\n```\nafter \\<b>it\\</b>")
+    assert ui.inert_markdown("streaming\n```\n<b>") == "streaming\n```\n<b>"  # an unclosed block is code so far
+    history = [message("user", "<b>hi</b>"), message("assistant", "<b>hello</b>")]
+    assert ui.chat_messages(history)[0] == [{"role": "user", "content": "\\<b\\>hi\\</b\\>"},
+                                            {"role": "assistant", "content": "\\<b>hello\\</b>"}]
+    sources = ui.sources_message([{"text": "<img src=http://x/y>\nline two", "document": "<b>d</b>.md"}])
+    assert sources["content"] == "> \\<img src=http://x/y\\>\n> line two\n>\n> — *\\<b\\>d\\</b\\>.md*"
