@@ -37,11 +37,16 @@ READING = "reading the conversation…"  # the status line while a prompt is pre
 STALE_EDIT = "This conversation changed (another tab?); it was reloaded. Edit the message again."
 NOTHING_CHANGED = "Nothing changed."
 _TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
-# Markdown's syntax characters: escaped with a backslash (CommonMark renders `\X` as X), so
-# user and document text shows character for character and no HTML, image or link in it is live.
-_MARKDOWN_ANYWHERE = re.compile(r"([\\`*_\[\]<>&|~$])")
+SIDEBAR_TITLE_CHARS = 48  # a title in the conversation list (the heading shows it whole)
+# Markdown's syntax characters get a backslash (CommonMark shows `\X` as X), `& < >` become
+# entities and URL starts are broken (a GFM autolink would swallow the backslashes after it):
+# user and document text then shows character for character, with no live HTML, image or link.
+_ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+_ENTITY = re.compile(r"&(amp|lt|gt);")
+_MARKDOWN_ANYWHERE = re.compile(r"([\\`*_\[\]|~$@])")
+_AUTOLINK_START = re.compile(r"\b(https?|ftp|www)([:.])", re.IGNORECASE)
 _MARKDOWN_LINE_START = re.compile(r"^([ \t]*)([#=+-]|\d+[.)])", re.MULTILINE)
-_ESCAPED = re.compile(r"\\([\\`*_\[\]<>&|~$#=+.)-])")
+_ESCAPED = re.compile(r"\\([\\`*_\[\]|~$@#=+.):-])")
 # Code in a reply (fenced blocks, also unclosed while streaming, and inline spans): shown as is.
 _REPLY_CODE = re.compile(r"(^[ \t]*```[\s\S]*?(?:^[ \t]*```|\Z)|^[ \t]*~~~[\s\S]*?(?:^[ \t]*~~~|\Z)|`[^`\n]+`)",
                          re.MULTILINE)
@@ -53,7 +58,12 @@ _REPLY_CODE = re.compile(r"(^[ \t]*```[\s\S]*?(?:^[ \t]*```|\Z)|^[ \t]*~~~[\s\S]
 def session_choices(sessions: list[SessionInfo], now: float | None = None) -> list[tuple[str, str]]:
     """(label, id) pairs for the conversation list: title and how long ago it changed."""
     now = time.time() if now is None else now
-    return [(f"{s.title} · {ago(now - s.updated)}", s.id) for s in sessions]
+    return [(f"{ellipsized(s.title, SIDEBAR_TITLE_CHARS)} · {ago(now - s.updated)}", s.id) for s in sessions]
+
+
+def ellipsized(text: str, limit: int) -> str:
+    """`text` if it has at most `limit` characters, else its first `limit - 1` and "…"."""
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def ago(seconds: float) -> str:
@@ -184,21 +194,22 @@ def before(history: list[ChatMessage], message_id: str) -> list[ChatMessage]:
 
 def as_text(text: str) -> str:
     """Markdown source that shows `text` exactly as typed: no formatting, no live HTML,
-    images or links, no character dropped (each syntax character gets a backslash)."""
-    escaped = _MARKDOWN_ANYWHERE.sub(r"\\\1", text)
+    images or links, no character dropped (see `_MARKDOWN_ANYWHERE`)."""
+    escaped = _MARKDOWN_ANYWHERE.sub(r"\\\1", re.sub(r"[&<>]", lambda m: _ENTITIES[m[0]], text))
+    escaped = _AUTOLINK_START.sub(r"\1\\\2", escaped)
     return _MARKDOWN_LINE_START.sub(lambda m: m[1] + m[2][:-1] + "\\" + m[2][-1], escaped)
 
 
 def from_text(shown: str) -> str:
     """The text `as_text` shows (the inverse: a message edited in the chat is its Markdown source)."""
-    return _ESCAPED.sub(r"\1", shown)
+    return _ENTITY.sub(lambda m: {"amp": "&", "lt": "<", "gt": ">"}[m[1]], _ESCAPED.sub(r"\1", shown))
 
 
 def inert_markdown(text: str) -> str:
-    """A model reply's Markdown with its raw HTML shown as text and its images as links
-    (an image would be fetched from wherever it points); code spans and blocks are kept."""
+    """A model reply's Markdown with its raw HTML and its image syntax shown as text (an
+    image would be fetched from wherever it points); code spans and blocks are kept."""
     parts = _REPLY_CODE.split(text)
-    return "".join(part if index % 2 else part.replace("<", "\\<").replace("![", "!\\[")
+    return "".join(part if index % 2 else part.replace("<", "&lt;").replace("![", "!\\[")
                    for index, part in enumerate(parts))
 
 

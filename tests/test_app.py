@@ -326,24 +326,45 @@ def test_command_line_defaults_and_password_from_the_environment(monkeypatch):
 
 
 def test_user_and_document_text_is_shown_as_text_character_for_character():
-    typed = "<script>alert(1)</script> <b>bold</b> ![](http://127.0.0.1:9999/x) *a* _b_ `c` a&amp;b $$x$$ | ~~s~~"
-    lines = "# not a heading\n1. not a list\n- nor this\n> nor a quote\nC:\\dir \\*"
+    typed = "<script>alert(1)</script> <b>bold</b> ![](http://127.0.0.1:9999/x_y) *a* `c` a&amp;b $$x$$ | ~~s~~"
+    lines = "# not a heading\n1. not a list\n- nor this\n> nor a quote\nC:\\dir \\* www.example.org me@example.org"
     for text in (typed, lines):
         assert ui.from_text(ui.as_text(text)) == text
-    assert ui.as_text(typed) == ("\\<script\\>alert(1)\\</script\\> \\<b\\>bold\\</b\\> !\\[\\](http://127.0.0.1:9999/x) "
-                                 "\\*a\\* \\_b\\_ \\`c\\` a\\&amp;b \\$\\$x\\$\\$ \\| \\~\\~s\\~\\~")
-    assert ui.as_text(lines) == "\\# not a heading\n1\\. not a list\n\\- nor this\n\\> nor a quote\nC:\\\\dir \\\\\\*"
-    assert ui.user_message("a <b>") == {"role": "user", "content": "a \\<b\\>"}
+    assert ui.as_text(typed) == ("&lt;script&gt;alert(1)&lt;/script&gt; &lt;b&gt;bold&lt;/b&gt; "
+                                 "!\\[\\](http\\://127.0.0.1:9999/x\\_y) \\*a\\* \\`c\\` a&amp;amp;b "
+                                 "\\$\\$x\\$\\$ \\| \\~\\~s\\~\\~")
+    assert ui.as_text(lines) == ("\\# not a heading\n1\\. not a list\n\\- nor this\n&gt; nor a quote\n"
+                                 "C:\\\\dir \\\\\\* www\\.example.org me\\@example.org")
+    assert ui.user_message("a <b>") == {"role": "user", "content": "a &lt;b&gt;"}
 
 
 def test_replies_keep_markdown_but_their_html_and_images_are_inert():
     reply = 'See <img src="http://10.0.0.1/x.png"> and ![map](http://10.0.0.1/m.png), **bold**, `<b>` kept\n' \
             "```html\n<i>code</i>\n```\nafter <b>it</b>"
-    assert ui.inert_markdown(reply) == ('See \\<img src="http://10.0.0.1/x.png"> and !\\[map](http://10.0.0.1/m.png), '
-                                        "**bold**, `<b>` kept\n```html\n<i>code</i>\n```\nafter \\<b>it\\</b>")
+    assert ui.inert_markdown(reply) == ('See &lt;img src="http://10.0.0.1/x.png"> and !\\[map](http://10.0.0.1/m.png), '
+                                        "**bold**, `<b>` kept\n```html\n<i>code</i>\n```\nafter &lt;b>it&lt;/b>")
     assert ui.inert_markdown("streaming\n```\n<b>") == "streaming\n```\n<b>"  # an unclosed block is code so far
     history = [message("user", "<b>hi</b>"), message("assistant", "<b>hello</b>")]
-    assert ui.chat_messages(history)[0] == [{"role": "user", "content": "\\<b\\>hi\\</b\\>"},
-                                            {"role": "assistant", "content": "\\<b>hello\\</b>"}]
+    assert ui.chat_messages(history)[0] == [{"role": "user", "content": "&lt;b&gt;hi&lt;/b&gt;"},
+                                            {"role": "assistant", "content": "&lt;b>hello&lt;/b>"}]
     sources = ui.sources_message([{"text": "<img src=http://x/y>\nline two", "document": "<b>d</b>.md"}])
-    assert sources["content"] == "> \\<img src=http://x/y\\>\n> line two\n>\n> — *\\<b\\>d\\</b\\>.md*"
+    assert sources["content"] == "> &lt;img src=http\\://x/y&gt;\n> line two\n>\n> — *&lt;b&gt;d&lt;/b&gt;.md*"
+
+
+def test_titles_are_capped_on_rename_import_and_auto_title_and_ellipsized_in_the_sidebar(tmp_path):
+    from chat.service import TITLE_LIMIT
+
+    service = ChatService(AppConfig(home=tmp_path), _engine=echo_engine())
+    long_title = "Lisbon " * 60
+    renamed = service.rename(service.create().id, long_title)
+    assert renamed.title == "Lisbon " * 17 + "L" and len(renamed.title) == TITLE_LIMIT
+    exported = service.export_json(renamed.id).replace(renamed.title, "Porto\\n" * 100)  # JSON for a newline
+    assert service.import_json(exported).title == ("Porto " * 20).rstrip()
+    session = service.create()
+    list(service.send(session.id, "word " * 40))
+    assert service.get(session.id).title == ("word " * 12).rstrip()  # the first 60 characters of the question
+    assert service.create("  ").title == "New chat"
+    label, _ = ui.session_choices([service.get(renamed.id)], now=service.get(renamed.id).updated)[0]
+    assert label == "Lisbon " * 6 + "Lisbo… · just now"  # 47 characters and the ellipsis
+    assert (ui.ellipsized("short", 5), ui.ellipsized("longer", 5)) == ("short", "long…")
+    service.close()

@@ -226,6 +226,70 @@ def test_sessions_sidebar_and_two_hundred_messages(page, fake_app, shots, capsys
     expect(page.locator("#title")).to_contain_text("Two hundred messages")
 
 
+class Listener:
+    """A loopback HTTP server in a thread that records every request it gets (a remote host)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.paths = []
+        record = self.paths.append
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                record(self.path)
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def test_nothing_is_fetched_from_other_hosts_and_html_shows_as_text(page, fake_app):
+    """Issue #19, items 1 and 2: remote images in messages and documents stay inert (and the
+    CSP would block them), HTML in messages shows as its characters."""
+    url, service = fake_app
+    csp_reports = []
+    page.on("console", lambda m: csp_reports.append(m.text) if "Content Security Policy" in m.text else None)
+    with Listener() as remote:
+        bait = f'<script>alert("x")</script> <b>bold</b> ![](remote/md) <img src="remote/html">'.replace(
+            "remote", remote.url)
+        draft = service.create("Imported <b>bait</b>")
+        service.attach_text(draft.id, "bait.md", f"The document says {bait}\n")
+        service.store.transcript.add_message(draft.id, "user", f"Question {bait}")
+        service.store.transcript.add_message(draft.id, "assistant", f"Answer {bait}", metadata={"stats": {
+            "finish": "eos", "sources": [{"text": f"Quoted {bait}", "document": "bait.md"}]}})
+        imported = service.import_json(service.export_json(draft.id))
+        open_app(page, f"{url}?session={imported.id}")
+        chat = page.locator("#chat")
+        expect(chat.locator("[data-testid=user]")).to_have_text(f"Question {bait}")
+        expect(last_reply(page)).to_have_text(f"Answer {bait}")
+        expect(page.locator("#title")).to_have_text("Imported <b>bait</b>")
+        ask(page, f"Typed {bait}")
+        expect(last_reply(page)).to_have_text(f"Echo: Typed {bait}")
+        expect(chat.locator("[data-testid=user]").last).to_have_text(f"Typed {bait}")
+        blocked = page.evaluate("(url) => fetch(url).then(() => 'fetched', () => 'blocked')", remote.url + "/fetch")
+        assert (blocked, chat.locator(f"img[src^='{remote.url}']").count()) == ("blocked", 0)
+        page.click("#new-btn")  # one more round trip after the page rendered
+        expect(page.locator("#title")).to_have_text("New chat")
+        assert remote.paths == []
+    assert [text for text in csp_reports if remote.url not in text] == []  # the CSP blocked nothing of the app's
+
+
 # ----------------------------------------------------------------------------- the real model
 
 
