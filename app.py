@@ -48,7 +48,9 @@ THEME = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "sans-serif"),
 
 CSS = """
 #sessions .wrap { flex-direction: column; gap: 2px; }
-#sessions label { width: 100%; }
+#sessions label { width: 100%; overflow-wrap: anywhere; }
+#versions-row:not(:has(#versions)) { display: none; }  /* no versions: no arrows (Dropdown visible=False is not rendered) */
+#export-file .filename .stem { white-space: normal; overflow-wrap: anywhere; }  /* the whole download name */
 .chips { display: flex; flex-wrap: wrap; gap: 6px; }
 .chip { border: 1px solid var(--border-color-primary); border-radius: 999px; padding: 2px 10px;
         background: var(--background-fill-secondary); font-size: 0.9em; }
@@ -75,6 +77,11 @@ HEAD = """
       event.preventDefault(); click('regen-btn');
     }
   }, true);
+  window.spotlightDarkLabel = () => {  // the button names the mode it switches to
+    const button = document.querySelector('#dark-btn');
+    const text = button && [...button.childNodes].find((n) => n.nodeType === Node.TEXT_NODE && n.nodeValue.trim());
+    if (text) { text.nodeValue = document.body.classList.contains('dark') ? 'Light mode' : 'Dark mode'; }
+  };
   const dark = localStorage.getItem('spotlight-dark');
   if (dark !== null) {
     const apply = () => document.body.classList.toggle('dark', dark === '1');
@@ -86,6 +93,15 @@ HEAD = """
 DARK_JS = """() => {
   const on = document.body.classList.toggle('dark');
   localStorage.setItem('spotlight-dark', on ? '1' : '0');
+  window.spotlightDarkLabel?.();
+}"""
+DARK_LABEL_JS = "() => window.spotlightDarkLabel?.()"  # on load: the remembered (or system) mode is on by now
+# The address names the open conversation (?session=ID, read by `open_initial`), so a reload keeps the place.
+ADDRESS_JS = """(session) => {
+  if (!session) { return; }
+  const url = new URL(window.location.href);
+  url.searchParams.set('session', session);
+  window.history.replaceState(window.history.state, '', url);
 }"""
 
 
@@ -398,7 +414,7 @@ class Handlers:
         service = self.service
         choices, value = ui.search_choices(service.search(query) if query.strip() else service.list_sessions(),
                                            session_id)
-        return gr.Radio(choices=choices, value=value)
+        return gr.Radio(choices=choices, value=value, info=ui.search_info(query, choices))
 
     def rename(self, session_id: str | None, title: str) -> View:
         """The open conversation, renamed."""
@@ -611,6 +627,8 @@ def events(c: Components, h: Handlers) -> list[Event]:
         Event([c.apply_btn.click], h.apply_settings, list(c.settings), [c.settings_note],
               {**ENGINE, "api_name": "apply_settings", "show_progress": "minimal"}),
         Event([c.dark_btn.click], None, [], [], {"js": DARK_JS, **private}),
+        Event([c.demo.load], None, [], [], {"js": DARK_LABEL_JS, **private}),
+        Event([c.sessions.change], None, [c.sessions], [], {"js": ADDRESS_JS, **private}),
     ]
 
 

@@ -37,6 +37,9 @@ READING = "reading the conversation…"  # the status line while a prompt is pre
 STALE_EDIT = "This conversation changed (another tab?); it was reloaded. Edit the message again."
 NOTHING_CHANGED = "Nothing changed."
 _TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
+# Speeds over fewer tokens than these measure call overhead, not the model: not shown.
+SPEED_MIN_PREFILL = 64
+SPEED_MIN_DECODE = 8
 SIDEBAR_TITLE_CHARS = 48  # a title in the conversation list (the heading shows it whole)
 # Markdown's syntax characters get a backslash (CommonMark shows `\X` as X), `& < >` become
 # entities and URL starts are broken (a GFM autolink would swallow the backslashes after it):
@@ -82,6 +85,13 @@ def export_filename(title: str, suffix: str) -> str:
     return f"{stem}{suffix}"
 
 
+def search_info(query: str, choices: list) -> str:
+    """The hint under the conversation list after a search ("" for none)."""
+    if choices:
+        return ""
+    return f"No conversation matches “{query.strip()}”." if query.strip() else NO_SESSIONS
+
+
 def search_choices(sessions: list[SessionInfo], session_id: str | None) -> tuple[list[tuple[str, str]], str | None]:
     """The conversation list for a search, and the open conversation if the list shows it."""
     choices = session_choices(sessions)
@@ -119,8 +129,9 @@ def screen(sessions: list[SessionInfo], info: SessionInfo | None, history: list[
            documents: list[DocumentInfo], config: AppConfig, model: ModelFacts, near: str | None = None) -> Screen:
     """The display values of the conversation `info` (None: a new, empty one) in the list
     `sessions`. `near`: the parent of a place whose version was just switched (keeps it selected)."""
-    use = context_use(model.window, documents, history, config.sampling.max_new_tokens, model.count_tokens,
-                      info.system_prompt if info else "") if model.window else None
+    budget = config.sampling.max_new_tokens
+    use = None if not model.window else ContextUse(model.window, 0, 0, budget) if info is None else \
+        context_use(model.window, documents, history, budget, model.count_tokens, info.system_prompt)
     choices, chosen = version_choices(history, near)
     return Screen(session_choices(sessions), None if sessions else NO_SESSIONS,
                   f"### {as_text(info.title) if info else 'New conversation'}", chat_messages(history)[0],
@@ -352,10 +363,11 @@ def turn_line(stats: dict | Turn | None, spotlight: SpotlightConfig, dense_engin
     parts = [f"{cached:,} tokens cached · {computed:,} computed now"]
     if restored:
         parts.append(f"restored {restored:,} tokens from disk")
-    if stats.get("prefill_tps"):
+    if stats.get("prefill_tps") and computed >= SPEED_MIN_PREFILL:
         parts.append(f"prefill {stats['prefill_tps']:,.0f} tok/s")
-    if stats.get("decode_tokens"):
-        parts.append(f"decode {stats['decode_tokens']:,} tokens at {stats.get('decode_tps', 0):,.1f} tok/s")
+    if decoded := stats.get("decode_tokens"):
+        speed = f" at {stats.get('decode_tps', 0):,.1f} tok/s" if decoded >= SPEED_MIN_DECODE else ""
+        parts.append(f"decode {decoded:,} token{'s' if decoded != 1 else ''}{speed}")
     parts.append(spotlight_share(spotlight, cached + computed, stats.get("read_share"), dense_engine,
                                  stats.get("spotlight", True)))
     if stats.get("finish") == "cancelled":

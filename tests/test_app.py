@@ -164,12 +164,12 @@ def test_context_use_counts_documents_conversation_and_room():
 
 
 def test_turn_line_shows_cached_computed_restored_and_speeds():
-    turn = Turn("s", "text", finish="eos", cached_tokens=3000, prefill_tokens=12, restored_tokens=2990,
+    turn = Turn("s", "text", finish="eos", cached_tokens=3000, prefill_tokens=120, restored_tokens=2990,
                 prefill_tps=340.0, decode_tokens=20, decode_tps=11.5)
     line = ui.turn_line(turn, SpotlightConfig())
-    assert line.startswith("3,000 tokens cached · 12 computed now · restored 2,990 tokens from disk")
+    assert line.startswith("3,000 tokens cached · 120 computed now · restored 2,990 tokens from disk")
     assert "prefill 340 tok/s" in line and "decode 20 tokens at 11.5 tok/s" in line
-    share = 100 * SpotlightConfig().budget(3012) / 3012  # sinks + window + retrieved, of 3,012 tokens
+    share = 100 * SpotlightConfig().budget(3120) / 3120  # sinks + window + retrieved, of 3,120 tokens
     assert f"Spotlight reads ≈{share:.1f}% of the context per step (estimated)" in line
     assert "stopped" in ui.turn_line({**turn.stats(), "finish": "cancelled"}, SpotlightConfig())
     assert ui.turn_line({}, SpotlightConfig()) == ""
@@ -368,3 +368,44 @@ def test_titles_are_capped_on_rename_import_and_auto_title_and_ellipsized_in_the
     assert label == "Lisbon " * 6 + "Lisbo… · just now"  # 47 characters and the ellipsis
     assert (ui.ellipsized("short", 5), ui.ellipsized("longer", 5)) == ("short", "long…")
     service.close()
+
+
+def test_speeds_show_only_over_enough_tokens_to_mean_something():
+    """Issue #19: "prefill 7 tok/s" after a one-token prefill."""
+    config = SpotlightConfig(enabled=False)
+    short = Turn("s", "t", finish="eos", cached_tokens=900, prefill_tokens=1, prefill_tps=7.0, decode_tokens=1,
+                 decode_tps=3.0)
+    assert ui.turn_line(short, config) == ("900 tokens cached · 1 computed now · decode 1 token · "
+                                           "Spotlight off: every step reads the whole context")
+    enough = replace(short, prefill_tokens=ui.SPEED_MIN_PREFILL, prefill_tps=500.0,
+                     decode_tokens=ui.SPEED_MIN_DECODE, decode_tps=9.0)
+    assert ui.turn_line(enough, config) == ("900 tokens cached · 64 computed now · prefill 500 tok/s · "
+                                            "decode 8 tokens at 9.0 tok/s · "
+                                            "Spotlight off: every step reads the whole context")
+
+
+def test_the_gauge_counts_nothing_before_a_conversation_exists(tmp_path):
+    config = AppConfig(home=tmp_path, system_prompt="Be brief.")
+    nothing = ui.screen([], None, [], [], config, ui.ModelFacts(2048, False, len))
+    assert nothing.gauge == ui.gauge_html(ui.ContextUse(2048, 0, 0, config.sampling.max_new_tokens))
+    assert "conversation 0 ·" in nothing.gauge
+
+
+def test_a_search_without_a_match_says_so(ui_parts):
+    _, handlers, _ = ui_parts
+    handlers.rename(handlers.new_session().session, "Lisbon trip")
+    missed = handlers.search_sessions("  harbour ", None)
+    assert (missed.choices, missed.value, missed.info) == ([], None, "No conversation matches “harbour”.")
+    found = handlers.search_sessions("lisbon", None)
+    assert ([label.split(" · ")[0] for label, _ in found.choices], found.info) == (["Lisbon trip"], "")
+    assert ui.search_info("", []) == ui.NO_SESSIONS
+
+
+def test_browser_side_events_label_dark_mode_and_keep_the_conversation_in_the_address(ui_parts):
+    components, _, table = ui_parts
+    scripts = {(tuple(t.__self__ for t in e.triggers), e.options["js"]) for e in table if "js" in e.options}
+    assert scripts == {((components.dark_btn,), app.DARK_JS), ((components.demo,), app.DARK_LABEL_JS),
+                       ((components.sessions,), app.ADDRESS_JS)}
+    assert "spotlightDarkLabel" in app.DARK_JS and "window.spotlightDarkLabel = " in app.HEAD
+    assert "history.replaceState" in app.ADDRESS_JS and "'session'" in app.ADDRESS_JS
+    assert "#versions-row:not(:has(#versions)) { display: none; }" in app.CSS
