@@ -50,7 +50,9 @@ CSS = """
 #sessions .wrap { flex-direction: column; gap: 2px; }
 #sessions label { width: 100%; overflow-wrap: anywhere; }
 #versions-row:not(:has(#versions)) { display: none; }  /* no versions: no arrows (Dropdown visible=False is not rendered) */
-#export-file .filename .stem { white-space: normal; overflow-wrap: anywhere; }  /* the whole download name */
+#export-file tr.file { flex-wrap: wrap; }  /* the whole download name on a line of its own, then its size */
+#export-file td.filename { flex: 1 0 100%; display: block; overflow-wrap: anywhere; }
+#export-file td.filename span { white-space: normal; }
 .chips { display: flex; flex-wrap: wrap; gap: 6px; }
 .chip { border: 1px solid var(--border-color-primary); border-radius: 999px; padding: 2px 10px;
         background: var(--background-fill-secondary); font-size: 0.9em; }
