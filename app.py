@@ -392,7 +392,7 @@ class Handlers:
             self.service.stop(session_id)
             raise
         for notice in turn.notices if turn else ():
-            gr.Info(notice)
+            gr.Info(ui.toast_text(notice))
         yield Reply(self.view(session_id), box)
 
     # ------------------------------------------------------------------ conversations
@@ -566,16 +566,16 @@ def hide_confirm() -> gr.Row:
 def toast(warnings: list[str], notes: list[str]) -> None:
     """Show each warning, then each note, as a toast."""
     for text in warnings:
-        gr.Warning(text)
+        gr.Warning(ui.toast_text(text))
     for text in notes:
-        gr.Info(text)
+        gr.Info(ui.toast_text(text))
 
 
 def warn(error: Exception) -> str:
     """Toast a user-facing error; returns the text for the status line under the chat."""
     text = ui.error_text(error)
-    gr.Warning(text)
-    return f"⚠ {text}"
+    gr.Warning(ui.toast_text(text))
+    return f"⚠ {ui.as_text(text)}"
 
 
 # ----------------------------------------------------------------------------- events

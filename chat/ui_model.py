@@ -490,6 +490,12 @@ def upload_notices(report) -> tuple[list[str], list[str]]:
 # ----------------------------------------------------------------------------- errors
 
 
+def toast_text(text: str) -> str:
+    """`text` for a toast, which Gradio shows as HTML: a file name such as "<img src=...>.pdf"
+    stays its characters (and fetches nothing)."""
+    return html.escape(text, quote=False)
+
+
 def error_text(error: Exception) -> str:
     """A toast message for a service error (drops hints aimed at programmers)."""
     text = getattr(error, "message", None) or str(error)  # gr.Error keeps its text in .message

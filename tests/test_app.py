@@ -409,3 +409,12 @@ def test_browser_side_events_label_dark_mode_and_keep_the_conversation_in_the_ad
     assert "spotlightDarkLabel" in app.DARK_JS and "window.spotlightDarkLabel = " in app.HEAD
     assert "history.replaceState" in app.ADDRESS_JS and "'session'" in app.ADDRESS_JS
     assert "#versions-row:not(:has(#versions)) { display: none; }" in app.CSS
+
+
+def test_toasts_and_the_status_line_show_file_names_as_text(ui_parts, tmp_path):
+    _, handlers, _ = ui_parts
+    assert ui.toast_text("<img src=http://10.0.0.1/x>.pdf & co") == "&lt;img src=http://10.0.0.1/x&gt;.pdf &amp; co"
+    bad = tmp_path / "<b>budget.xlsx"
+    bad.write_bytes(b"PK\x03\x04 not a document")
+    view = app.adapted(handlers.upload, ui_parts[0].view(), [ui_parts[0].status])(None, [str(bad)])
+    assert view[6].startswith("⚠ &lt;b&gt;budget.xlsx: .xlsx files are not supported")
