@@ -4,6 +4,8 @@ Issue: "The Gradio app: a long-document chat people enjoy, tested in a real brow
   - fast flows on the echo engine (tests/fakes.py): empty state, upload, streamed answer,
     Esc stops mid-answer, Ctrl+Shift+R regenerates, a broken file's message, dark mode,
     no request leaves the machine, and the render time of a 200-message conversation;
+  - issue #19: remote images in messages and documents fetch nothing (inert text, and the CSP),
+    HTML in messages shows as its characters, the small display fixes and ?session=ID;
   - the real model (SmolLM2) in a server subprocess: upload a PDF, ask about a fact on its
     last page, stop an answer, restart the server, find the conversation and continue it
     from the cache on disk (the status line says how many tokens were restored).
