@@ -33,6 +33,7 @@ import gradio as gr  # noqa: E402
 
 from chat import documents as uploads  # noqa: E402
 from chat import ui_model as ui  # noqa: E402
+from chat import web_guard  # noqa: E402
 from chat.errors import ChatError, NotFoundError  # noqa: E402
 from chat.service import ChatService  # noqa: E402
 from chat.config import AppConfig, EngineConfig  # noqa: E402
@@ -47,7 +48,11 @@ THEME = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "sans-serif"),
 
 CSS = """
 #sessions .wrap { flex-direction: column; gap: 2px; }
-#sessions label { width: 100%; }
+#sessions label { width: 100%; overflow-wrap: anywhere; }
+#versions-row:not(:has(#versions)) { display: none; }  /* no versions: no arrows (Dropdown visible=False is not rendered) */
+#export-file tr.file { flex-wrap: wrap; }  /* the whole download name on a line of its own, then its size */
+#export-file td.filename { flex: 1 0 100%; display: block; overflow-wrap: anywhere; }
+#export-file td.filename span { white-space: normal; }
 .chips { display: flex; flex-wrap: wrap; gap: 6px; }
 .chip { border: 1px solid var(--border-color-primary); border-radius: 999px; padding: 2px 10px;
         background: var(--background-fill-secondary); font-size: 0.9em; }
@@ -74,6 +79,11 @@ HEAD = """
       event.preventDefault(); click('regen-btn');
     }
   }, true);
+  window.spotlightDarkLabel = () => {  // the button names the mode it switches to
+    const button = document.querySelector('#dark-btn');
+    const text = button && [...button.childNodes].find((n) => n.nodeType === Node.TEXT_NODE && n.nodeValue.trim());
+    if (text) { text.nodeValue = document.body.classList.contains('dark') ? 'Light mode' : 'Dark mode'; }
+  };
   const dark = localStorage.getItem('spotlight-dark');
   if (dark !== null) {
     const apply = () => document.body.classList.toggle('dark', dark === '1');
@@ -85,6 +95,15 @@ HEAD = """
 DARK_JS = """() => {
   const on = document.body.classList.toggle('dark');
   localStorage.setItem('spotlight-dark', on ? '1' : '0');
+  window.spotlightDarkLabel?.();
+}"""
+DARK_LABEL_JS = "() => window.spotlightDarkLabel?.()"  # on load: the remembered (or system) mode is on by now
+# The address names the open conversation (?session=ID, read by `open_initial`), so a reload keeps the place.
+ADDRESS_JS = """(session) => {
+  if (!session) { return; }
+  const url = new URL(window.location.href);
+  url.searchParams.set('session', session);
+  window.history.replaceState(window.history.state, '', url);
 }"""
 
 
@@ -373,7 +392,7 @@ class Handlers:
             self.service.stop(session_id)
             raise
         for notice in turn.notices if turn else ():
-            gr.Info(notice)
+            gr.Info(ui.toast_text(notice))
         yield Reply(self.view(session_id), box)
 
     # ------------------------------------------------------------------ conversations
@@ -397,7 +416,7 @@ class Handlers:
         service = self.service
         choices, value = ui.search_choices(service.search(query) if query.strip() else service.list_sessions(),
                                            session_id)
-        return gr.Radio(choices=choices, value=value)
+        return gr.Radio(choices=choices, value=value, info=ui.search_info(query, choices))
 
     def rename(self, session_id: str | None, title: str) -> View:
         """The open conversation, renamed."""
@@ -488,7 +507,7 @@ class Handlers:
             gr.Warning(ui.STALE_EDIT)
             yield Reply(self.view(session_id), gr.skip())
             return
-        yield from self.edit(session_id, message_id, text_of(data.value))
+        yield from self.edit(session_id, message_id, ui.from_text(text_of(data.value)))
 
     def undo(self, session_id: str | None) -> Reply:
         """Hide the last exchange; its question goes back into the message box."""
@@ -547,16 +566,16 @@ def hide_confirm() -> gr.Row:
 def toast(warnings: list[str], notes: list[str]) -> None:
     """Show each warning, then each note, as a toast."""
     for text in warnings:
-        gr.Warning(text)
+        gr.Warning(ui.toast_text(text))
     for text in notes:
-        gr.Info(text)
+        gr.Info(ui.toast_text(text))
 
 
 def warn(error: Exception) -> str:
     """Toast a user-facing error; returns the text for the status line under the chat."""
     text = ui.error_text(error)
-    gr.Warning(text)
-    return f"⚠ {text}"
+    gr.Warning(ui.toast_text(text))
+    return f"⚠ {ui.as_text(text)}"
 
 
 # ----------------------------------------------------------------------------- events
@@ -610,6 +629,8 @@ def events(c: Components, h: Handlers) -> list[Event]:
         Event([c.apply_btn.click], h.apply_settings, list(c.settings), [c.settings_note],
               {**ENGINE, "api_name": "apply_settings", "show_progress": "minimal"}),
         Event([c.dark_btn.click], None, [], [], {"js": DARK_JS, **private}),
+        Event([c.demo.load], None, [], [], {"js": DARK_LABEL_JS, **private}),
+        Event([c.sessions.change], None, [c.sessions], [], {"js": ADDRESS_JS, **private}),
     ]
 
 
@@ -668,11 +689,12 @@ def adapted(handler, outputs: list, status: list):
 
 def serve(service: ChatService, host: str = "127.0.0.1", port: int = 7860, *, password: str | None = None,
           **launch_options):
-    """Build the UI and launch it with its style, shortcuts and (optional) password."""
+    """Build the UI and launch it with its style, shortcuts and (optional) password, behind
+    chat/web_guard.py (the Content-Security-Policy, the login back-off)."""
     demo = build_ui(service).queue(default_concurrency_limit=4)
-    auth = (lambda _user, given: given == password) if password else None
+    auth = web_guard.password_check(password) if password else None
     demo.launch(server_name=host, server_port=port, auth=auth, css=CSS, head=HEAD,
-                theme=THEME, footer_links=["api"],
+                theme=THEME, footer_links=["api"], app_kwargs={"middleware": web_guard.middleware()},
                 auth_message="Spotlight Chat: any user name, the server's password", **launch_options)
     return demo
 

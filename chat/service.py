@@ -45,7 +45,8 @@ from .runtime import CancelFlags, ContextPool, EngineGate
 from .turns import ReplyPlan, TurnRunner
 
 DEFAULT_TITLE = "New chat"
-_TITLE_CHARS = 60
+TITLE_LIMIT = 120  # characters kept of a title (rename, import); the UI shortens it further where narrow
+_TITLE_CHARS = 60  # of the first message, as the automatic title
 
 __all__ = ["ChatService", "Turn"]
 
@@ -174,7 +175,8 @@ class ChatService:
         """A new empty conversation (system prompt: the configured one unless given)."""
         prompt = self.config.system_prompt if system_prompt is None else system_prompt
         with translated():
-            return _session_info(self.store.transcript.create_session(title, system_prompt=prompt))
+            return _session_info(self.store.transcript.create_session(capped_title(title) or DEFAULT_TITLE,
+                                                                      system_prompt=prompt))
 
     def get(self, session_id: SessionId) -> SessionInfo:
         with translated(session_id):
@@ -194,7 +196,7 @@ class ChatService:
         if not title.strip():
             raise InvalidAction("a conversation title cannot be empty; type a name")
         with translated(session_id):
-            return _session_info(self.store.transcript.update_session(session_id, title=title.strip()))
+            return _session_info(self.store.transcript.update_session(session_id, title=capped_title(title)))
 
     def delete(self, session_id: SessionId) -> None:
         """Delete the conversation, its messages, documents only it uses, and its cache."""
@@ -348,6 +350,8 @@ class ChatService:
         """A new conversation from an `export_json` file (its cache is computed on first use)."""
         try:
             data = export.from_json(text)
+            if isinstance(data.get("session"), dict) and isinstance(data["session"].get("title"), str):
+                data["session"]["title"] = capped_title(data["session"]["title"]) or DEFAULT_TITLE
             with translated():
                 session_id = self.store.transcript.import_session(data)
         except ChatError:
@@ -461,13 +465,18 @@ class ChatService:
 
     def _title_from(self, session_id: SessionId, text: str) -> None:
         if self.store.transcript.get_session(session_id).title == DEFAULT_TITLE:
-            title = " ".join(text.split())[:_TITLE_CHARS] or DEFAULT_TITLE
+            title = capped_title(text, _TITLE_CHARS) or DEFAULT_TITLE
             self.store.transcript.update_session(session_id, title=title)
 
     def _chat_message(self, record: MessageRecord) -> ChatMessage:
         siblings = [m.id for m in self.store.transcript.siblings(record.id)]
         return ChatMessage(record.id, record.role, record.content, record.parent_id,
                            siblings.index(record.id), len(siblings), record.metadata.get("stats", {}))
+
+
+def capped_title(title: str, limit: int = TITLE_LIMIT) -> str:
+    """`title` on one line (runs of whitespace become one space), at most `limit` characters."""
+    return " ".join(title.split())[:limit].rstrip()
 
 
 def too_long(name: str, room: int, window: int) -> str:

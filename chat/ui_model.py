@@ -37,6 +37,22 @@ READING = "reading the conversation…"  # the status line while a prompt is pre
 STALE_EDIT = "This conversation changed (another tab?); it was reloaded. Edit the message again."
 NOTHING_CHANGED = "Nothing changed."
 _TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
+# Speeds over fewer tokens than these measure call overhead, not the model: not shown.
+SPEED_MIN_PREFILL = 64
+SPEED_MIN_DECODE = 8
+SIDEBAR_TITLE_CHARS = 48  # a title in the conversation list (the heading shows it whole)
+# Markdown's syntax characters get a backslash (CommonMark shows `\X` as X), `& < >` become
+# entities and URL starts are broken (a GFM autolink would swallow the backslashes after it):
+# user and document text then shows character for character, with no live HTML, image or link.
+_ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+_ENTITY = re.compile(r"&(amp|lt|gt);")
+_MARKDOWN_ANYWHERE = re.compile(r"([\\`*_\[\]|~$@])")
+_AUTOLINK_START = re.compile(r"\b(https?|ftp|www)([:.])", re.IGNORECASE)
+_MARKDOWN_LINE_START = re.compile(r"^([ \t]*)([#=+-]|\d+[.)])", re.MULTILINE)
+_ESCAPED = re.compile(r"\\([\\`*_\[\]|~$@#=+.):-])")
+# Code in a reply (fenced blocks, also unclosed while streaming, and inline spans): shown as is.
+_REPLY_CODE = re.compile(r"(^[ \t]*```[\s\S]*?(?:^[ \t]*```|\Z)|^[ \t]*~~~[\s\S]*?(?:^[ \t]*~~~|\Z)|`[^`\n]+`)",
+                         re.MULTILINE)
 
 
 # ----------------------------------------------------------------------------- sessions
@@ -45,7 +61,12 @@ _TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
 def session_choices(sessions: list[SessionInfo], now: float | None = None) -> list[tuple[str, str]]:
     """(label, id) pairs for the conversation list: title and how long ago it changed."""
     now = time.time() if now is None else now
-    return [(f"{s.title} · {ago(now - s.updated)}", s.id) for s in sessions]
+    return [(f"{ellipsized(s.title, SIDEBAR_TITLE_CHARS)} · {ago(now - s.updated)}", s.id) for s in sessions]
+
+
+def ellipsized(text: str, limit: int) -> str:
+    """`text` if it has at most `limit` characters, else its first `limit - 1` and "…"."""
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def ago(seconds: float) -> str:
@@ -62,6 +83,13 @@ def export_filename(title: str, suffix: str) -> str:
     """A safe file name for an export: 'Trip to Lisbon' -> 'Trip-to-Lisbon.md'."""
     stem = _TITLE_SLUG.sub("-", title).strip("-")[:60] or "conversation"
     return f"{stem}{suffix}"
+
+
+def search_info(query: str, choices: list) -> str:
+    """The hint under the conversation list after a search ("" for none)."""
+    if choices:
+        return ""
+    return f"No conversation matches “{query.strip()}”." if query.strip() else NO_SESSIONS
 
 
 def search_choices(sessions: list[SessionInfo], session_id: str | None) -> tuple[list[tuple[str, str]], str | None]:
@@ -101,11 +129,12 @@ def screen(sessions: list[SessionInfo], info: SessionInfo | None, history: list[
            documents: list[DocumentInfo], config: AppConfig, model: ModelFacts, near: str | None = None) -> Screen:
     """The display values of the conversation `info` (None: a new, empty one) in the list
     `sessions`. `near`: the parent of a place whose version was just switched (keeps it selected)."""
-    use = context_use(model.window, documents, history, config.sampling.max_new_tokens, model.count_tokens,
-                      info.system_prompt if info else "") if model.window else None
+    budget = config.sampling.max_new_tokens
+    use = None if not model.window else ContextUse(model.window, 0, 0, budget) if info is None else \
+        context_use(model.window, documents, history, budget, model.count_tokens, info.system_prompt)
     choices, chosen = version_choices(history, near)
     return Screen(session_choices(sessions), None if sessions else NO_SESSIONS,
-                  f"### {info.title if info else 'New conversation'}", chat_messages(history)[0],
+                  f"### {as_text(info.title) if info else 'New conversation'}", chat_messages(history)[0],
                   chips_html(documents), gauge_html(use),
                   turn_line(last_stats(history), config.spotlight, model.window is not None and model.dense),
                   choices, chosen)
@@ -120,7 +149,7 @@ def chat_messages(history: list[ChatMessage]) -> tuple[list[dict], list[str | No
     messages: list[dict] = []
     ids: list[str | None] = []
     for message in history:
-        messages.append({"role": message.role, "content": message.content})
+        messages.append({"role": message.role, "content": message_content(message.role, message.content)})
         ids.append(message.id)
         sources = message_sources(message)
         if sources:
@@ -174,12 +203,38 @@ def before(history: list[ChatMessage], message_id: str) -> list[ChatMessage]:
     return next((history[:i] for i, m in enumerate(history) if m.id == message_id), history)
 
 
+def as_text(text: str) -> str:
+    """Markdown source that shows `text` exactly as typed: no formatting, no live HTML,
+    images or links, no character dropped (see `_MARKDOWN_ANYWHERE`)."""
+    escaped = _MARKDOWN_ANYWHERE.sub(r"\\\1", re.sub(r"[&<>]", lambda m: _ENTITIES[m[0]], text))
+    escaped = _AUTOLINK_START.sub(r"\1\\\2", escaped)
+    return _MARKDOWN_LINE_START.sub(lambda m: m[1] + m[2][:-1] + "\\" + m[2][-1], escaped)
+
+
+def from_text(shown: str) -> str:
+    """The text `as_text` shows (the inverse: a message edited in the chat is its Markdown source)."""
+    return _ENTITY.sub(lambda m: {"amp": "&", "lt": "<", "gt": ">"}[m[1]], _ESCAPED.sub(r"\1", shown))
+
+
+def inert_markdown(text: str) -> str:
+    """A model reply's Markdown with its raw HTML and its image syntax shown as text (an
+    image would be fetched from wherever it points); code spans and blocks are kept."""
+    parts = _REPLY_CODE.split(text)
+    return "".join(part if index % 2 else part.replace("<", "&lt;").replace("![", "!\\[")
+                   for index, part in enumerate(parts))
+
+
+def message_content(role: str, text: str) -> str:
+    """What the chat shows of a stored message: replies as Markdown (made inert), the rest as text."""
+    return inert_markdown(text) if role == "assistant" else as_text(text)
+
+
 def user_message(text: str) -> dict:
-    return {"role": "user", "content": text}
+    return {"role": "user", "content": as_text(text)}
 
 
 def assistant_message(text: str) -> dict:
-    return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": inert_markdown(text)}
 
 
 def pending_message(title: str = "Reading the conversation…") -> dict:
@@ -206,7 +261,8 @@ def sources_message(sources: list) -> dict:
             text = source.get("text") or source.get("quote") or ""
         else:
             where, text = "", str(source)
-        lines.append(f"> {text.strip()}" + (f"\n>\n> — *{where}*" if where else ""))
+        quote = as_text(text.strip()).replace("\n", "\n> ")
+        lines.append(f"> {quote}" + (f"\n>\n> — *{as_text(where)}*" if where else ""))
     return {"role": "assistant", "content": "\n\n".join(lines),
             "metadata": {"title": f"Sources ({len(sources)})", "status": "done"}}
 
@@ -307,10 +363,11 @@ def turn_line(stats: dict | Turn | None, spotlight: SpotlightConfig, dense_engin
     parts = [f"{cached:,} tokens cached · {computed:,} computed now"]
     if restored:
         parts.append(f"restored {restored:,} tokens from disk")
-    if stats.get("prefill_tps"):
+    if stats.get("prefill_tps") and computed >= SPEED_MIN_PREFILL:
         parts.append(f"prefill {stats['prefill_tps']:,.0f} tok/s")
-    if stats.get("decode_tokens"):
-        parts.append(f"decode {stats['decode_tokens']:,} tokens at {stats.get('decode_tps', 0):,.1f} tok/s")
+    if decoded := stats.get("decode_tokens"):
+        speed = f" at {stats.get('decode_tps', 0):,.1f} tok/s" if decoded >= SPEED_MIN_DECODE else ""
+        parts.append(f"decode {decoded:,} token{'s' if decoded != 1 else ''}{speed}")
     parts.append(spotlight_share(spotlight, cached + computed, stats.get("read_share"), dense_engine,
                                  stats.get("spotlight", True)))
     if stats.get("finish") == "cancelled":
@@ -431,6 +488,12 @@ def upload_notices(report) -> tuple[list[str], list[str]]:
 
 
 # ----------------------------------------------------------------------------- errors
+
+
+def toast_text(text: str) -> str:
+    """`text` for a toast, which Gradio shows as HTML: a file name such as "<img src=...>.pdf"
+    stays its characters (and fetches nothing)."""
+    return html.escape(text, quote=False)
 
 
 def error_text(error: Exception) -> str:

@@ -164,12 +164,12 @@ def test_context_use_counts_documents_conversation_and_room():
 
 
 def test_turn_line_shows_cached_computed_restored_and_speeds():
-    turn = Turn("s", "text", finish="eos", cached_tokens=3000, prefill_tokens=12, restored_tokens=2990,
+    turn = Turn("s", "text", finish="eos", cached_tokens=3000, prefill_tokens=120, restored_tokens=2990,
                 prefill_tps=340.0, decode_tokens=20, decode_tps=11.5)
     line = ui.turn_line(turn, SpotlightConfig())
-    assert line.startswith("3,000 tokens cached · 12 computed now · restored 2,990 tokens from disk")
+    assert line.startswith("3,000 tokens cached · 120 computed now · restored 2,990 tokens from disk")
     assert "prefill 340 tok/s" in line and "decode 20 tokens at 11.5 tok/s" in line
-    share = 100 * SpotlightConfig().budget(3012) / 3012  # sinks + window + retrieved, of 3,012 tokens
+    share = 100 * SpotlightConfig().budget(3120) / 3120  # sinks + window + retrieved, of 3,120 tokens
     assert f"Spotlight reads ≈{share:.1f}% of the context per step (estimated)" in line
     assert "stopped" in ui.turn_line({**turn.stats(), "finish": "cancelled"}, SpotlightConfig())
     assert ui.turn_line({}, SpotlightConfig()) == ""
@@ -320,3 +320,101 @@ def test_command_line_defaults_and_password_from_the_environment(monkeypatch):
     assert (args.host, args.port, args.model, args.password, args.max_new_tokens) == ("127.0.0.1", 7860, None, None, None)
     monkeypatch.setenv("SPOTLIGHT_PASSWORD", "from-env")
     assert parse_args(["--port", "8000"]).password == "from-env"
+
+
+# ----------------------------------------------------------------------------- issue #19: what the browser sees
+
+
+def test_user_and_document_text_is_shown_as_text_character_for_character():
+    typed = "<script>alert(1)</script> <b>bold</b> ![](http://127.0.0.1:9999/x_y) *a* `c` a&amp;b $$x$$ | ~~s~~"
+    lines = "# not a heading\n1. not a list\n- nor this\n> nor a quote\nC:\\dir \\* www.example.org me@example.org"
+    for text in (typed, lines):
+        assert ui.from_text(ui.as_text(text)) == text
+    assert ui.as_text(typed) == ("&lt;script&gt;alert(1)&lt;/script&gt; &lt;b&gt;bold&lt;/b&gt; "
+                                 "!\\[\\](http\\://127.0.0.1:9999/x\\_y) \\*a\\* \\`c\\` a&amp;amp;b "
+                                 "\\$\\$x\\$\\$ \\| \\~\\~s\\~\\~")
+    assert ui.as_text(lines) == ("\\# not a heading\n1\\. not a list\n\\- nor this\n&gt; nor a quote\n"
+                                 "C:\\\\dir \\\\\\* www\\.example.org me\\@example.org")
+    assert ui.user_message("a <b>") == {"role": "user", "content": "a &lt;b&gt;"}
+
+
+def test_replies_keep_markdown_but_their_html_and_images_are_inert():
+    reply = 'See <img src="http://10.0.0.1/x.png"> and ![map](http://10.0.0.1/m.png), **bold**, `<b>` kept\n' \
+            "```html\n<i>code</i>\n```\nafter <b>it</b>"
+    assert ui.inert_markdown(reply) == ('See &lt;img src="http://10.0.0.1/x.png"> and !\\[map](http://10.0.0.1/m.png), '
+                                        "**bold**, `<b>` kept\n```html\n<i>code</i>\n```\nafter &lt;b>it&lt;/b>")
+    assert ui.inert_markdown("streaming\n```\n<b>") == "streaming\n```\n<b>"  # an unclosed block is code so far
+    history = [message("user", "<b>hi</b>"), message("assistant", "<b>hello</b>")]
+    assert ui.chat_messages(history)[0] == [{"role": "user", "content": "&lt;b&gt;hi&lt;/b&gt;"},
+                                            {"role": "assistant", "content": "&lt;b>hello&lt;/b>"}]
+    sources = ui.sources_message([{"text": "<img src=http://x/y>\nline two", "document": "<b>d</b>.md"}])
+    assert sources["content"] == "> &lt;img src=http\\://x/y&gt;\n> line two\n>\n> — *&lt;b&gt;d&lt;/b&gt;.md*"
+
+
+def test_titles_are_capped_on_rename_import_and_auto_title_and_ellipsized_in_the_sidebar(tmp_path):
+    from chat.service import TITLE_LIMIT
+
+    service = ChatService(AppConfig(home=tmp_path), _engine=echo_engine())
+    long_title = "Lisbon " * 60
+    renamed = service.rename(service.create().id, long_title)
+    assert renamed.title == "Lisbon " * 17 + "L" and len(renamed.title) == TITLE_LIMIT
+    exported = service.export_json(renamed.id).replace(renamed.title, "Porto\\n" * 100)  # JSON for a newline
+    assert service.import_json(exported).title == ("Porto " * 20).rstrip()
+    session = service.create()
+    list(service.send(session.id, "word " * 40))
+    assert service.get(session.id).title == ("word " * 12).rstrip()  # the first 60 characters of the question
+    assert service.create("  ").title == "New chat"
+    label, _ = ui.session_choices([service.get(renamed.id)], now=service.get(renamed.id).updated)[0]
+    assert label == "Lisbon " * 6 + "Lisbo… · just now"  # 47 characters and the ellipsis
+    assert (ui.ellipsized("short", 5), ui.ellipsized("longer", 5)) == ("short", "long…")
+    service.close()
+
+
+def test_speeds_show_only_over_enough_tokens_to_mean_something():
+    """Issue #19: "prefill 7 tok/s" after a one-token prefill."""
+    config = SpotlightConfig(enabled=False)
+    short = Turn("s", "t", finish="eos", cached_tokens=900, prefill_tokens=1, prefill_tps=7.0, decode_tokens=1,
+                 decode_tps=3.0)
+    assert ui.turn_line(short, config) == ("900 tokens cached · 1 computed now · decode 1 token · "
+                                           "Spotlight off: every step reads the whole context")
+    enough = replace(short, prefill_tokens=ui.SPEED_MIN_PREFILL, prefill_tps=500.0,
+                     decode_tokens=ui.SPEED_MIN_DECODE, decode_tps=9.0)
+    assert ui.turn_line(enough, config) == ("900 tokens cached · 64 computed now · prefill 500 tok/s · "
+                                            "decode 8 tokens at 9.0 tok/s · "
+                                            "Spotlight off: every step reads the whole context")
+
+
+def test_the_gauge_counts_nothing_before_a_conversation_exists(tmp_path):
+    config = AppConfig(home=tmp_path, system_prompt="Be brief.")
+    nothing = ui.screen([], None, [], [], config, ui.ModelFacts(2048, False, len))
+    assert nothing.gauge == ui.gauge_html(ui.ContextUse(2048, 0, 0, config.sampling.max_new_tokens))
+    assert "conversation 0 ·" in nothing.gauge
+
+
+def test_a_search_without_a_match_says_so(ui_parts):
+    _, handlers, _ = ui_parts
+    handlers.rename(handlers.new_session().session, "Lisbon trip")
+    missed = handlers.search_sessions("  harbour ", None)
+    assert (missed.choices, missed.value, missed.info) == ([], None, "No conversation matches “harbour”.")
+    found = handlers.search_sessions("lisbon", None)
+    assert ([label.split(" · ")[0] for label, _ in found.choices], found.info) == (["Lisbon trip"], "")
+    assert ui.search_info("", []) == ui.NO_SESSIONS
+
+
+def test_browser_side_events_label_dark_mode_and_keep_the_conversation_in_the_address(ui_parts):
+    components, _, table = ui_parts
+    scripts = {(tuple(t.__self__ for t in e.triggers), e.options["js"]) for e in table if "js" in e.options}
+    assert scripts == {((components.dark_btn,), app.DARK_JS), ((components.demo,), app.DARK_LABEL_JS),
+                       ((components.sessions,), app.ADDRESS_JS)}
+    assert "spotlightDarkLabel" in app.DARK_JS and "window.spotlightDarkLabel = " in app.HEAD
+    assert "history.replaceState" in app.ADDRESS_JS and "'session'" in app.ADDRESS_JS
+    assert "#versions-row:not(:has(#versions)) { display: none; }" in app.CSS
+
+
+def test_toasts_and_the_status_line_show_file_names_as_text(ui_parts, tmp_path):
+    _, handlers, _ = ui_parts
+    assert ui.toast_text("<img src=http://10.0.0.1/x>.pdf & co") == "&lt;img src=http://10.0.0.1/x&gt;.pdf &amp; co"
+    bad = tmp_path / "<b>budget.xlsx"
+    bad.write_bytes(b"PK\x03\x04 not a document")
+    view = app.adapted(handlers.upload, ui_parts[0].view(), [ui_parts[0].status])(None, [str(bad)])
+    assert view[6].startswith("⚠ &lt;b&gt;budget.xlsx: .xlsx files are not supported")

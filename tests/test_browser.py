@@ -4,6 +4,8 @@ Issue: "The Gradio app: a long-document chat people enjoy, tested in a real brow
   - fast flows on the echo engine (tests/fakes.py): empty state, upload, streamed answer,
     Esc stops mid-answer, Ctrl+Shift+R regenerates, a broken file's message, dark mode,
     no request leaves the machine, and the render time of a 200-message conversation;
+  - issue #19: remote images in messages and documents fetch nothing (inert text, and the CSP),
+    HTML in messages shows as its characters, the small display fixes and ?session=ID;
   - the real model (SmolLM2) in a server subprocess: upload a PDF, ask about a fact on its
     last page, stop an answer, restart the server, find the conversation and continue it
     from the cache on disk (the status line says how many tokens were restored).
@@ -135,6 +137,8 @@ def test_chat_flow_in_the_browser(page, fake_app, shots, tmp_path):
     url, service = fake_app
     open_app(page, url)
     expect(page.locator("#chat")).to_contain_text("Ask about a long document")  # the empty state
+    expect(page.locator("#gauge")).to_contain_text("conversation 0 ·")  # issue #19: none exists yet
+    expect(page.locator("#older-btn")).to_be_hidden()  # no versions, no arrows
     shot(page, shots, "empty.png")
 
     notes = tmp_path / "harbour-notes.md"
@@ -163,6 +167,7 @@ def test_chat_flow_in_the_browser(page, fake_app, shots, tmp_path):
     page.keyboard.press("Escape")
     expect(status_line(page)).to_contain_text("tokens cached")
     assert service.history(session_id)[-1].branches == 2
+    expect(page.locator("#older-btn")).to_be_visible()
     shot(page, shots, "chat-fake.png")
 
     page.locator("#chat button[aria-label='Edit']").first.click()  # edit the first question and resubmit
@@ -188,9 +193,16 @@ def test_chat_flow_in_the_browser(page, fake_app, shots, tmp_path):
     expect(page.locator("#settings-note")).to_be_visible()
     shot(page, shots, "settings.png")
     page.get_by_role("tab", name="Chat").click()
+    expect(page.locator("#dark-btn")).to_have_text("Dark mode")
     page.click("#dark-btn")
     expect(page.locator("body")).to_have_class(re.compile(r"\bdark\b"))
+    expect(page.locator("#dark-btn")).to_have_text("Light mode")
     shot(page, shots, "dark.png")
+    page.locator("#manage").get_by_text("Rename, delete, export").click()
+    page.click("#export-md-btn")
+    name = page.locator("#export-file td.filename")
+    expect(name).to_have_text(re.compile(r"^When-does-the-ferry-leave\s*\.md$"))  # titled from the first question
+    assert name.evaluate("(el) => el.scrollWidth <= el.clientWidth && el.clientWidth >= 150"), "a clipped name"
     assert page.outside == []  # nothing left the machine (no fonts, no analytics)
 
 
@@ -214,6 +226,12 @@ def test_sessions_sidebar_and_two_hundred_messages(page, fake_app, shots, capsys
     search.press("Control+A")
     search.press("Backspace")
     expect(sidebar.locator("label")).to_have_count(len(service.list_sessions()))
+    search.press_sequentially("zzqx")
+    expect(sidebar).to_contain_text("No conversation matches “zzqx”.")
+    expect(sidebar.locator("label")).to_have_count(0)
+    search.press("Control+A")
+    search.press("Backspace")
+    expect(sidebar.locator("label")).to_have_count(len(service.list_sessions()))
     shot(page, shots, "sessions.png")
 
     started = time.perf_counter()
@@ -224,6 +242,73 @@ def test_sessions_sidebar_and_two_hundred_messages(page, fake_app, shots, capsys
     with capsys.disabled():
         print(f"\n[browser] opening a 200-message conversation rendered in {seconds:.2f} s (click to last message)")
     expect(page.locator("#title")).to_contain_text("Two hundred messages")
+    expect(page).to_have_url(re.compile(rf"[?&]session={long_one.id}$"))  # a reload keeps the place
+    page.reload(wait_until="load")
+    expect(page.locator("#title")).to_contain_text("Two hundred messages")
+
+
+class Listener:
+    """A loopback HTTP server in a thread that records every request it gets (a remote host)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.paths = []
+        record = self.paths.append
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                record(self.path)
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def test_nothing_is_fetched_from_other_hosts_and_html_shows_as_text(page, fake_app):
+    """Issue #19, items 1 and 2: remote images in messages and documents stay inert (and the
+    CSP would block them), HTML in messages shows as its characters."""
+    url, service = fake_app
+    csp_reports = []
+    page.on("console", lambda m: csp_reports.append(m.text) if "Content Security Policy" in m.text else None)
+    with Listener() as remote:
+        bait = f'<script>alert("x")</script> <b>bold</b> ![](remote/md) <img src="remote/html">'.replace(
+            "remote", remote.url)
+        draft = service.create("Imported <b>bait</b>")
+        service.attach_text(draft.id, "bait.md", f"The document says {bait}\n")
+        service.store.transcript.add_message(draft.id, "user", f"Question {bait}")
+        service.store.transcript.add_message(draft.id, "assistant", f"Answer {bait}", metadata={"stats": {
+            "finish": "eos", "sources": [{"text": f"Quoted {bait}", "document": "bait.md"}]}})
+        imported = service.import_json(service.export_json(draft.id))
+        open_app(page, f"{url}?session={imported.id}")
+        chat = page.locator("#chat")
+        expect(chat.locator("[data-testid=user]")).to_have_text(f"Question {bait}")
+        expect(last_reply(page)).to_have_text(f"Answer {bait}")
+        expect(page.locator("#title")).to_contain_text("Imported <b>bait</b>")
+        ask(page, f"Typed {bait}")
+        expect(last_reply(page)).to_have_text(f"Echo: Typed {bait}")
+        expect(chat.locator("[data-testid=user]").last).to_have_text(f"Typed {bait}")
+        blocked = page.evaluate("(url) => fetch(url).then(() => 'fetched', () => 'blocked')", remote.url + "/fetch")
+        assert (blocked, chat.locator(f"img[src^='{remote.url}']").count()) == ("blocked", 0)
+        page.click("#new-btn")  # one more round trip after the page rendered
+        expect(page.locator("#title")).to_contain_text("New chat")
+        assert remote.paths == []
+    assert [text for text in csp_reports if remote.url not in text] == []  # the CSP blocked nothing of the app's
 
 
 # ----------------------------------------------------------------------------- the real model
