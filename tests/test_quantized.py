@@ -156,6 +156,21 @@ def test_kernel_less_type_stays_fp32_with_a_notice(tmp_path, caplog):
     assert relative(got[0], want[0]) <= RELATIVE_TOLERANCE
 
 
+def test_format_without_c_kernel_runs_numba_in_the_same_module(tmp_path):
+    """Q4_0 has a numba kernel but none in quant.c: its QuantLinear takes the numba path."""
+    torch.manual_seed(2)
+    fp32 = use_onerow_linear(Transformer(tiny_args(64)).eval().requires_grad_(False))
+    path = tmp_path / "q4_0.gguf"
+    write_tiny_gguf(path, fp32, {**LAYER_TENSORS, "attn_output": Q.Q4_0})
+    quantized = copy.deepcopy(fp32)
+    use_quantized_linear(quantized, path, fp32.args)
+    assert quantized.layers[0].attention.wo.qtypes == ("Q4_0",)
+    prompt = torch.arange(3, 20)
+    _, want = run(fp32, prompt, [9, 10])
+    _, got = run(quantized, prompt, [9, 10])
+    assert max(relative(g, w) for g, w in zip(got, want)) <= RELATIVE_TOLERANCE
+
+
 def test_truncated_gguf_raises_corrupt_tensor(tiny_pair, tmp_path):
     fp32, _, _, path = tiny_pair
     cut = tmp_path / "cut.gguf"
