@@ -245,3 +245,29 @@ def test_default_greedy_continuations_equal_fp32(engine, fp32_default, messages)
     got, _ = greedy(engine.model, ids, GREEDY_TOKENS)
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     assert got == want, f"diverged at step {first}, fp32 logit margin there {margins[first]:.2e}"
+
+
+def test_read_gguf_tensors_agrees_with_gguf_reader(tiny_pair):
+    from spotlight.quantized import read_gguf_tensors
+
+    path = tiny_pair[3]
+    ours, meta = read_gguf_tensors(path)
+    theirs = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert meta["general.architecture"] == "llama"
+    assert list(ours) == list(theirs)
+    for name, tensor in theirs.items():
+        got = ours[name]
+        assert (got.tensor_type, got.shape) == (tensor.tensor_type, tuple(int(n) for n in tensor.shape)), name
+        assert np.array_equal(got.data, np.asarray(tensor.data).view(np.uint8).reshape(-1)), name
+
+
+def test_file_that_is_not_gguf_raises_corrupt_tensor(tiny_pair, tmp_path):
+    fp32, _, _, path = tiny_pair
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGML" + path.read_bytes()[4:])
+    with pytest.raises(CorruptTensor, match="not a GGUF file"):
+        use_quantized_linear(copy.deepcopy(fp32), junk, fp32.args)
+    header = tmp_path / "header.gguf"
+    header.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(CorruptTensor, match="ends inside its header"):
+        use_quantized_linear(copy.deepcopy(fp32), header, fp32.args)
