@@ -242,6 +242,10 @@ static row_fn row_kernel(int kind, int scalar) {
 /* 1 when the library has a kernel for `kind`. */
 int quant_supports(int kind) { return row_kernel(kind, 1) != 0; }
 
+/* 1 when `kind` has a SIMD kernel in this build (the scalar-only kinds are slower than numba's
+   vectorised ones, so kernels/quant.py uses C only for these by default). */
+int quant_has_simd(int kind) { return QUANT_SIMD && row_kernel(kind, 0) != row_kernel(kind, 1); }
+
 /* 1 when the SIMD (AVX2 + FMA + F16C) path was compiled in. */
 int quant_simd(void) { return QUANT_SIMD; }
 
