@@ -18,6 +18,7 @@ moving whole rows (the blocks run along the columns, so a row permutation keeps 
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import struct
 from dataclasses import dataclass
@@ -289,4 +290,15 @@ def use_quantized_linear(model: nn.Module, gguf_path: Path, args: ModelArgs) -> 
         setattr(parent, attr, QuantLinear(parts, old.bias, scratch, dense))
         swapped.append(path)
         nbytes += sum(p.nbytes for p in parts)
+    release_freed_memory()
     return QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim). NOTE: the replaced fp32 weights
+    (1-7 MB each) sit in malloc's heap after they are freed; without this a quantized SmolLM2
+    engine kept ~190 MiB more resident (873 -> 684 MiB measured; fp32 engine 979 MiB)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
