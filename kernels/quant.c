@@ -211,6 +211,39 @@ static float row_q4_k_simd(const uint8_t *rb, int64_t nb, const float *x) {
     }
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
+
+/* 8 bytes at p, zero-extended to 8 int32 lanes */
+static inline __m256i u8x8_i32(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+static float row_q6_k_simd(const uint8_t *rb, int64_t nb, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(15), two = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 210, x += QK_K) {
+        float d = half_to_float(rb + 208);
+        const int8_t *scales = (const int8_t *)(rb + 192);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = rb + 64 * n, *qh = rb + 128 + 32 * n;
+            const float *xh = x + 128 * n;
+            for (int l = 0; l < 32; l += 8) {  /* 8 lanes share one sub-block of 16: l / 16 is constant */
+                const int8_t *sc = scales + 8 * n + l / 16;
+                __m256i lo = u8x8_i32(ql + l), hi = u8x8_i32(ql + l + 32), h = u8x8_i32(qh + l);
+                __m256i q1 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, low4),
+                                              _mm256_slli_epi32(_mm256_and_si256(h, two), 4)), off);
+                __m256i q2 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(hi, low4),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), two), 4)), off);
+                __m256i q3 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(lo, 4),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), two), 4)), off);
+                __m256i q4 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(hi, 4),
+                                              _mm256_slli_epi32(_mm256_srli_epi32(h, 6), 4)), off);
+                a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d * (float)sc[0]), _mm256_cvtepi32_ps(q1)), _mm256_loadu_ps(xh + l), a0);
+                a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d * (float)sc[2]), _mm256_cvtepi32_ps(q2)), _mm256_loadu_ps(xh + l + 32), a1);
+                a2 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d * (float)sc[4]), _mm256_cvtepi32_ps(q3)), _mm256_loadu_ps(xh + l + 64), a2);
+                a3 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d * (float)sc[6]), _mm256_cvtepi32_ps(q4)), _mm256_loadu_ps(xh + l + 96), a3);
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
 #endif
 
 typedef float (*row_fn)(const uint8_t *, int64_t, const float *);
@@ -224,6 +257,7 @@ static row_fn row_kernel(int kind, int scalar) {
         case KIND_Q4_1: return row_q4_1_simd;
         case KIND_Q8_0: return row_q8_0_simd;
         case KIND_Q4_K: return row_q4_k_simd;
+        case KIND_Q6_K: return row_q6_k_simd;
         default: break;
         }
     }
