@@ -221,14 +221,14 @@ def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | Non
 LIBRARY = Path(__file__).resolve().parent / "_quant.so"
 
 
-def _load_library():
-    """(the ctypes library, None) or (None, why it is not there)."""
-    if not LIBRARY.is_file():
-        return None, f"{LIBRARY} is not built (run `make setup`, which needs a C compiler)"
+def _load_library(path: Path = LIBRARY):
+    """(the ctypes library at `path`, "") or (None, why it is not there)."""
+    if not path.is_file():
+        return None, f"{path} is not built (run `make setup`, which needs a C compiler)"
     try:
-        lib = ctypes.CDLL(str(LIBRARY))
+        lib = ctypes.CDLL(str(path))
     except OSError as error:
-        return None, f"cannot load {LIBRARY} ({error}); rebuild it with `make setup`"
+        return None, f"cannot load {path} ({error}); rebuild it with `make setup`"
     lib.quant_matvec.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.quant_matvec.restype = ctypes.c_int

@@ -256,3 +256,53 @@ def test_c_real_smollm2_tensor(smollm2_tensors, name, qtype):
     x, want = activations(reference_weights(qm), seed=4)  # (E,), (rows,)
     got = quant.QuantMatVec(qm, backend="c")(x, np.empty(rows, np.float32))
     assert relative_error(got, want) <= TOLERANCE, relative_error(got, want)
+
+
+@pytest.fixture(scope="module")
+def scalar_library(tmp_path_factory):
+    """quant.c built without -march=native: no AVX2, so the scalar kernels and the hand-written
+    fp16 conversion (the SIMD build converts with F16C) are what runs."""
+    import shutil
+    import subprocess
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc)")
+    path = tmp_path_factory.mktemp("scalar") / "_quant_scalar.so"
+    source = Path(quant.__file__).with_name("quant.c")
+    subprocess.run(["cc", "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+    lib, missing = quant._load_library(path)
+    assert lib is not None, missing
+    assert lib.quant_simd() == 0
+    return lib
+
+
+def raw_matvec(lib, qm: QuantMatrix, x: np.ndarray) -> np.ndarray:
+    out = np.empty(qm.rows, np.float32)  # (F,)
+    fmt = qm.format
+    assert lib.quant_matvec(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, 0, qm.rows,
+                            x.ctypes.data, None, out.ctypes.data, 0) == 0
+    return out
+
+
+@pytest.mark.parametrize("qtype", C_FORMATS)
+def test_scalar_build_matches_gguf(scalar_library, qtype):
+    qm = random_matrix(qtype, 37, 5, seed=7)
+    x, want = activations(reference_weights(qm), seed=7)  # (E,), (F,)
+    got = raw_matvec(scalar_library, qm, x)
+    assert relative_error(got, want) <= TOLERANCE, relative_error(got, want)
+
+
+def test_scalar_build_converts_every_finite_half_as_numpy(scalar_library):
+    """One Q8_0 row per finite fp16 bit pattern (subnormals included): d as the scale, q = 1 at
+    value 0, x = e0, so the product is exactly numpy's fp32 value of d."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    bits = bits[np.isfinite(bits.view(np.float16))]  # (F,)
+    raw = np.zeros((bits.size, FORMATS["Q8_0"].block_bytes), np.uint8)  # (F, R)
+    raw[:, 0:2] = bits.view(np.uint8).reshape(-1, 2)
+    raw[:, 2] = 1
+    qm = QuantMatrix.from_bytes(raw, "Q8_0", bits.size, 32, "halves")
+    x = np.zeros(32, np.float32)
+    x[0] = 1.0
+    got = raw_matvec(scalar_library, qm, x)
+    # values, not bits: the fp32 sum starts at +0, so d = -0 comes out as +0 (0.0 + -0.0)
+    np.testing.assert_array_equal(got, bits.view(np.float16).astype(np.float32))
