@@ -212,6 +212,33 @@ static float row_q4_k_simd(const uint8_t *rb, int64_t nb, const float *x) {
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
+static float row_q5_0_simd(const uint8_t *rb, int64_t nb, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1), off = _mm256_set1_epi32(16);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_epi32(8);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 22, x += QK) {
+        __m256 d = _mm256_set1_ps(half_to_float(rb));
+        uint32_t bits;
+        memcpy(&bits, rb + 2, sizeof bits);  /* little-endian, as x86 is */
+        __m256i qh = _mm256_set1_epi32((int)bits);
+        __m256i n0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rb + 6)));
+        __m256i n1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rb + 14)));
+        /* value i's fifth bit is bit i of qh: lanes 0-7, 8-15 (low nibbles), 16-23, 24-31 (high) */
+        __m256i s0 = lane, s1 = _mm256_add_epi32(lane, eight), s2 = _mm256_add_epi32(s1, eight), s3 = _mm256_add_epi32(s2, eight);
+#define Q5_HIGH(s) _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, s), one), 4)
+        __m256i q0 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(n0, low4), Q5_HIGH(s0)), off);
+        __m256i q1 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(n1, low4), Q5_HIGH(s1)), off);
+        __m256i q2 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(n0, 4), Q5_HIGH(s2)), off);
+        __m256i q3 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(n1, 4), Q5_HIGH(s3)), off);
+#undef Q5_HIGH
+        a0 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q0)), _mm256_loadu_ps(x), a0);
+        a1 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q1)), _mm256_loadu_ps(x + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q2)), _mm256_loadu_ps(x + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q3)), _mm256_loadu_ps(x + 24), a3);
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
 /* 8 bytes at p, zero-extended to 8 int32 lanes */
 static inline __m256i u8x8_i32(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
@@ -258,6 +285,7 @@ static row_fn row_kernel(int kind, int scalar) {
         case KIND_Q8_0: return row_q8_0_simd;
         case KIND_Q4_K: return row_q4_k_simd;
         case KIND_Q6_K: return row_q6_k_simd;
+        case KIND_Q5_0: return row_q5_0_simd;
         default: break;
         }
     }

@@ -250,9 +250,9 @@ def c_supports(qtype: str) -> bool:
 
 
 def c_is_fast(qtype: str) -> bool:
-    """Whether the library has a SIMD kernel for this type. Its scalar kernels (Q5_0, Q6_K on this
-    build) measured 2-4x slower than numba's (576 x 1536, hot, 1 thread: Q5_0 751 vs 335 µs, Q6_K
-    1136 vs 306 µs), so the default backend uses C only where this holds."""
+    """Whether the library has a SIMD kernel for this type (a build without AVX2 has none). quant.c's
+    scalar kernels measured 2-4x slower than numba's (576 x 1536, hot, 1 thread: Q5_0 751 vs 335
+    µs, Q6_K 1136 vs 306 µs), so the default backend uses C only where this holds."""
     return _LIB is not None and bool(_LIB.quant_has_simd(format_of(qtype).kind))
 
 
