@@ -47,13 +47,14 @@ def _essay_tokens(tokenizer) -> tuple[int, ...]:
 
 
 class OursRunner:
-    """Our engine (dense decode), loaded and warmed up once; `measure` runs one context."""
+    """Our engine (dense decode), loaded and warmed up once; `measure` runs one context.
+    weights: EngineConfig.weights ("quantized": the GGUF's blocks in decode; "fp32")."""
 
-    def __init__(self):
+    def __init__(self, weights: str = "quantized"):
         from spotlight.config import EngineConfig, default_home
         from spotlight.engine import Engine
 
-        self.engine = Engine.load(EngineConfig(), default_home())
+        self.engine = Engine.load(EngineConfig(weights=weights), default_home())
         warm = essay_ids(self.engine.tokenizer, WARM_UP_TOKENS)  # one-time kernel set-up stays out of the rows
         self._generate(warm, 2)
 
@@ -113,7 +114,7 @@ _RUNNER = None  # the worker process's runner (see `Worker`)
 
 def _start_runner(kind: str) -> None:
     global _RUNNER
-    _RUNNER = {"ours": OursRunner, "transformers": TransformersRunner}[kind]()
+    _RUNNER = {"ours": OursRunner, "ours-fp32": lambda: OursRunner("fp32"), "transformers": TransformersRunner}[kind]()
 
 
 def _measure(n: int, new_tokens: int) -> dict:
@@ -159,11 +160,16 @@ def in_subprocess(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def engine_part(sizes: dict):
+OURS_KINDS = {"quantized": ("ours",), "fp32": ("ours-fp32",), "both": ("ours", "ours-fp32")}  # --weights
+
+
+def engine_part(sizes: dict, weights: str = "quantized"):
     """Both engines stay loaded in their own processes and take turns on each context, `repeats`
     times in alternating order; each side's fastest prefill and decode of a context count, so a
-    slow spell of the shared machine lands on both and drops out of the ratio."""
-    workers = [Worker("ours"), Worker("transformers")]
+    slow spell of the shared machine lands on both and drops out of the ratio. weights "both":
+    ours runs twice, quantized ("ours") and fp32 ("ours-fp32"), in two processes."""
+    ours = OURS_KINDS[weights]
+    workers = [Worker(kind) for kind in ours] + [Worker("transformers")]
     try:
         best: dict[tuple[str, int], dict] = {}
         for n in sizes["contexts"]:
@@ -173,31 +179,37 @@ def engine_part(sizes: dict):
                     kept = best.setdefault(key, row)
                     best[key] = {metric: max(kept[metric], row[metric]) for metric in row}
         rss = {worker.kind: worker.peak_rss_mb() for worker in workers}
+        log("peak RSS: " + ", ".join(f"{kind} {mb:.0f} MiB" for kind, mb in rss.items()))
     finally:
         for worker in workers:
             worker.close()
     rows = []
     for n in sizes["contexts"]:
-        a, b = best["ours", n], best["transformers", n]
-        rows.append({
+        a, b = best[ours[0], n], best["transformers", n]
+        row = {
             "context": n,
             "ours prefill tok/s": a["prefill_tps"], "hf prefill tok/s": b["prefill_tps"],
             "prefill ratio": a["prefill_tps"] / b["prefill_tps"],
             "ours decode tok/s": a["decode_tps"], "hf decode tok/s": b["decode_tps"],
             "decode ratio": a["decode_tps"] / b["decode_tps"],
-        })
+        }
+        if len(ours) == 2:  # quantized first, fp32 beside it
+            c = best[ours[1], n]
+            row.update({"ours fp32 prefill tok/s": c["prefill_tps"], "ours fp32 decode tok/s": c["decode_tps"],
+                        "decode quantized/fp32": a["decode_tps"] / c["decode_tps"]})
+        rows.append(row)
     targets = [Target(f"decode ours/transformers at {r['context']}", r["decode ratio"], 1.0) for r in rows]
     targets += [Target(f"prefill ours/transformers at {r['context']}", r["prefill ratio"], 1.0) for r in rows]
     first = rows[0]
     targets.append(Target(f"decode ours/transformers at {first['context']} (short context)", first["decode ratio"], 1.5))
     notes = (
-        f"SmolLM2-135M-Instruct fp32, greedy, {sizes['new_tokens']} new tokens per context, plain-text prompt; "
+        f"SmolLM2-135M-Instruct, ours with weights {' and '.join(ours)} ('ours': {weights if weights != 'both' else 'quantized'}), greedy, {sizes['new_tokens']} new tokens per context, plain-text prompt; "
         f"each engine first runs once on {WARM_UP_TOKENS} tokens (one-time kernel set-up, not measured). "
         f"Each engine runs in its own process, loaded once; they take turns on each context, "
         f"{sizes['repeats']} times each in alternating order, and each side's best prefill and best decode "
         f"tokens/s count (ours reuses its K/V memory across requests: a context's buffers come from the engine's "
         f"BufferPool, filled when the previous request's context was dropped; transformers allocates its cache per "
-        f"call). Peak RSS: ours {rss['ours']:.0f} MiB, transformers {rss['transformers']:.0f} MiB."
+        f"call). Peak RSS: " + ", ".join(f"{kind} {mb:.0f} MiB" for kind, mb in rss.items()) + "."
     )
     return rows, targets, notes
 
@@ -205,12 +217,14 @@ def engine_part(sizes: dict):
 def main(argv=None):
     p = parser("decode", __doc__.splitlines()[0])
     p.add_argument("--part", choices=["all", "engine", "spotlight"], default="all", help="which comparison to run")
+    p.add_argument("--weights", choices=list(OURS_KINDS), default="quantized",
+                   help="part engine: our engine's weights (both: quantized and fp32 side by side)")
     args = p.parse_args(argv)
     # Each part keeps its own RESULTS.md section, so running one part never erases the other's.
     part_args = argparse.Namespace(**{**vars(args), "json": None})
     docs = []
     if args.part in ("all", "engine"):
-        rows, targets, notes = engine_part(QUICK if args.quick else FULL)
+        rows, targets, notes = engine_part(QUICK if args.quick else FULL, args.weights)
         docs.append(finish("decode-engine", part_args, rows, targets, command="decode --part engine",
                            title="Decode speed: our engine vs transformers", notes=notes))
     if args.part in ("all", "spotlight"):

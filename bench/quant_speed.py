@@ -11,6 +11,7 @@ DRAM as a decode step does (the model is 96 MB quantized, 538 MB fp32); "hot": o
 from cache. The weights are SmolLM2-135M's own tensors from the shipped GGUF (layer 0), with the
 gate and up matrices stacked into one (3072, 576) matrix as a fused gate/up would read them.
 "cpu" columns time this thread's CPU only (1 thread), leaving out time given to other processes.
+`--compare-c`: instead, one thread, cold only, the C kernels (kernels/quant.c) vs numba vs fp32.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import numpy as np
 
 import kernels
 from kernels.linear import MatVec
-from kernels.quant import QuantMatrix, dequantize_into, matvec
+from kernels.quant import C_MISSING, QuantMatrix, QuantMatVec, dequantize_into, matvec
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COLD_BYTES = 128 * 2**20  # bytes of copies per cold set: 4x the 32 MB L3
@@ -73,8 +74,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--gguf", type=Path, default=default_gguf())
+    parser.add_argument("--compare-c", action="store_true", help="C vs numba vs fp32, cold, one thread")
     args = parser.parse_args()
     mats = load_shapes(gguf.GGUFReader(args.gguf))
+    if args.compare_c:
+        return compare_c(mats, args.runs)
     print(f"load average {os.getloadavg()[0]:.2f}; median of {args.runs} passes")
     print(f"{'matrix':14s} {'F x E':>12s} {'set':>4s} {'thr':>3s} {'quant us':>9s} {'quant GB/s':>10s} "
           f"{'fp32 us':>8s} {'fp32 GB/s':>9s} {'speedup':>7s}   cpu us quant / fp32 (1 thread)")
@@ -100,6 +104,29 @@ def main() -> None:
                     print(f"   {quant_cpu * 1e6:8.1f} / {dense_cpu * 1e6:8.1f}", end="")
                 print(flush=True)
     kernels.set_threads(1)
+
+
+def compare_c(mats: dict[str, QuantMatrix], runs: int) -> None:
+    """One thread, cold sets: wall and CPU µs of the C kernel, the numba kernel and fp32 MatVec."""
+    if C_MISSING:
+        raise SystemExit(C_MISSING)
+    kernels.set_threads(1)
+    print(f"load average {os.getloadavg()[0]:.2f}; median of {runs} passes; cold; 1 thread; wall µs (cpu µs)")
+    print(f"{'matrix':14s} {'F x E':>12s} {'C':>15s} {'numba':>15s} {'fp32':>15s} {'C GB/s':>7s} {'C/numba':>7s} {'C/fp32':>7s}")
+    rng = np.random.default_rng(0)
+    for label, qm in mats.items():
+        dense = dequantize_into(qm, np.empty((qm.rows, qm.cols), np.float32))  # (F, E)
+        x = rng.standard_normal(qm.cols).astype(np.float32)  # (E,)
+        out = np.empty(qm.rows, np.float32)  # (F,)
+        quants = [QuantMatrix.from_bytes(b, qm.qtype, qm.rows, qm.cols) for b in copies(qm.blocks, False)]
+        sets = {"C": [lambda m=QuantMatVec(q, backend="c"): m(x, out) for q in quants],
+                "numba": [lambda m=QuantMatVec(q, backend="numba"): m(x, out) for q in quants],
+                "fp32": [lambda m=MatVec(w): m(x, out) for w in copies(dense, False)]}
+        wall = {k: median_seconds(calls, runs) for k, calls in sets.items()}
+        cpu = {k: median_seconds(calls, runs, time.thread_time) for k, calls in sets.items()}
+        cells = " ".join(f"{wall[k] * 1e6:7.0f} ({cpu[k] * 1e6:5.0f})" for k in sets)
+        print(f"{label:14s} {qm.rows:>5d} x {qm.cols:<4d} {cells} {qm.nbytes / wall['C'] / 1e9:7.2f} "
+              f"{wall['numba'] / wall['C']:7.2f} {wall['fp32'] / wall['C']:7.2f}", flush=True)
 
 
 if __name__ == "__main__":

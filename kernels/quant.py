@@ -11,11 +11,15 @@ gguf.quants.dequantize computes it (same fp32 operations in the same order). Act
 never quantized. `dequantize_into(qm, out)` writes fp32 rows bit-identical to gguf's.
 
 The block layouts, the kernels and why they are shaped as they are: kernels/quant_cpu.py;
-measurements: docs/notes-quant.md.
+measurements: docs/notes-quant.md. `QuantMatVec(qm)` binds one matrix for repeated one-row
+products and runs kernels/quant.c (built by `make setup` into kernels/_quant.so, AVX2 + FMA,
+~2x the numba kernels) where the library is built and has the format, else the numba kernel.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -208,3 +212,85 @@ def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | Non
     kernel = _dequantize_parallel if threads() > 1 and _numba_threads() > 1 else _dequantize_serial
     kernel(fmt.kind, HALF_TO_FLOAT, _block_view(qm, row_start, row_end), dg)
     return dest
+
+
+# ------------------------------------------------------------------ the compiled kernels (quant.c)
+# `make setup` builds kernels/quant.c into kernels/_quant.so (cc -O3 -march=native); without it
+# (no compiler, a failed build) every product runs on the numba kernels above.
+
+LIBRARY = Path(__file__).resolve().parent / "_quant.so"
+
+
+def _load_library(path: Path = LIBRARY):
+    """(the ctypes library at `path`, "") or (None, why it is not there)."""
+    if not path.is_file():
+        return None, f"{path} is not built (run `make setup`, which needs a C compiler)"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        return None, f"cannot load {path} ({error}); rebuild it with `make setup`"
+    lib.quant_matvec.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.quant_matvec.restype = ctypes.c_int
+    lib.quant_supports.argtypes = [ctypes.c_int]
+    lib.quant_supports.restype = ctypes.c_int
+    lib.quant_simd.restype = ctypes.c_int
+    lib.quant_has_simd.argtypes = [ctypes.c_int]
+    lib.quant_has_simd.restype = ctypes.c_int
+    return lib, ""
+
+
+_LIB, C_MISSING = _load_library()  # C_MISSING: why the C kernels are unavailable ("" when loaded)
+C_SIMD = bool(_LIB is not None and _LIB.quant_simd())  # the library was built with AVX2 + FMA + F16C
+
+
+def c_supports(qtype: str) -> bool:
+    """Whether the compiled library is loaded and has a kernel for this ggml type."""
+    return _LIB is not None and bool(_LIB.quant_supports(format_of(qtype).kind))
+
+
+def c_is_fast(qtype: str) -> bool:
+    """Whether the library has a SIMD kernel for this type (a build without AVX2 has none). quant.c's
+    scalar kernels measured 2-4x slower than numba's (576 x 1536, hot, 1 thread: Q5_0 751 vs 335
+    µs, Q6_K 1136 vs 306 µs), so the default backend uses C only where this holds."""
+    return _LIB is not None and bool(_LIB.quant_has_simd(format_of(qtype).kind))
+
+
+class QuantMatVec:
+    """out (F,) = W (F, E) @ x (E,) [+ bias (F,)] for one QuantMatrix, its checks done once.
+
+    Runs quant.c's kernel with `backend="c"`, or with "auto" where the library has a SIMD kernel
+    for the format (c_is_fast); else kernels.quant.matvec (numba). `scalar=True` forces the C library's scalar fallback (tests).
+    A call checks only x and out (~1 µs through ctypes). The C path is single-threaded.
+    """
+
+    def __init__(self, qm: QuantMatrix, bias=None, backend: str = "auto", scalar: bool = False):
+        if backend not in ("auto", "c", "numba"):
+            raise ValueError(f"backend must be 'auto', 'c' or 'numba', got {backend!r}")
+        if backend == "c" and not c_supports(qm.qtype):
+            raise ValueError(f"no C kernel for {qm.qtype} ({C_MISSING or 'not in quant.c'}); use backend='numba'")
+        self.qm = qm
+        self.bias = None if bias is None else _check_vector(bias, qm.rows, "bias")
+        fast = c_is_fast(qm.qtype) if backend == "auto" else backend == "c"
+        self.backend = "c" if fast else "numba"
+        fmt = qm.format
+        # the ctypes arguments before x, bias and out, made once
+        self._head = (fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, 0, qm.rows)
+        self._bias_ptr = None if self.bias is None else self.bias.ctypes.data
+        self._scalar = int(scalar)
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """x: C-contiguous float32 (E,) numpy; out: C-contiguous float32 (F,) numpy, written and returned."""
+        qm = self.qm
+        if x.shape != (qm.cols,) or x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError(f"x must be C-contiguous float32 ({qm.cols},), got {x.dtype} {x.shape}")
+        if out.shape != (qm.rows,) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous float32 ({qm.rows},), got {out.dtype} {out.shape}")
+        if self.backend == "numba":
+            return matvec(qm, x, out, self.bias)
+        self.call(x.ctypes.data, out.ctypes.data)
+        return out
+
+    def call(self, x_ptr: int, out_ptr: int) -> None:
+        """The C product on raw addresses of float32 x (E,) and out (F,) that the caller has checked."""
+        _LIB.quant_matvec(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar)

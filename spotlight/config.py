@@ -207,6 +207,9 @@ def default_home() -> Path:
     return Path(base) / "spotlight-chat"
 
 
+WEIGHTS = ("quantized", "fp32")  # EngineConfig.weights
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Which model runs where, and how prefill is chunked."""
@@ -224,8 +227,14 @@ class EngineConfig:
     # Host K/V memory kept mapped in for one cache of this many tokens (spotlight/cache.py BufferPool),
     # so a resume does not fault in fresh pages; None: the model's window, at most 32768; 0: off.
     kv_pool_tokens: int | None = None
+    # "quantized": a GGUF model's decode reads the file's blocks (spotlight/quantized.py; ~1/6 of the
+    # fp32 bytes for SmolLM2); "fp32": every product on the dequantised fp32 copy. Hugging Face
+    # directories are always fp32. Quantized needs device cpu and dtype float32, else fp32 is used.
+    weights: str = "quantized"
 
     def __post_init__(self):
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {self.weights!r}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < 0:

@@ -36,6 +36,7 @@ from .generate import Context, ProgressFn, Step, prefill, stream
 from .model import Transformer, build_model
 from .observers import StepObserver
 from .onerow import use_onerow_linear
+from .quantized import use_quantized_linear
 from .tokens import PieceTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,6 +87,8 @@ class Engine:
         tokenizer = loading.load_tokenizer(source)
         model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype], device=config.device)
         use_onerow_linear(model)  # decode steps' weight products on the one-row kernel (spotlight/onerow.py)
+        if quantizes(config, source):  # a GGUF's linears read its blocks in decode (spotlight/quantized.py)
+            use_quantized_linear(model, source.gguf_file, args)
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
             encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)
@@ -246,6 +249,12 @@ class Engine:
             eos_ids=self.eos_ids, max_context=self.max_context, chunk=self.config.prefill_chunk,
             cancel=cancel, progress=progress, observers=observers,
         )
+
+
+def quantizes(config: EngineConfig, source: loading.ModelSource) -> bool:
+    """Whether the model keeps its GGUF weights quantized for decode (config.weights)."""
+    return (config.weights == "quantized" and source.gguf_file is not None and config.device == "cpu"
+            and config.dtype == "float32")
 
 
 def _pool_tokens(config: EngineConfig, args: ModelArgs) -> int:

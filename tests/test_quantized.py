@@ -1,0 +1,273 @@
+"""GGUF weights kept quantized for decode (spotlight/quantized.py, issue #20).
+
+A tiny random llama model is written to a GGUF by the test (gguf.GGUFWriter, blocks from
+gguf.quants.quantize, attn_q / attn_k permuted the way llama.cpp's converter permutes them); its
+fp32 twin holds exactly the weights gguf dequantises back (un-permuted). The quantized model must
+then give the fp32 model's logits within RELATIVE_TOLERANCE on a decode step and the same bits in
+prefill (whose weights are dequantised, bit-identical to gguf's).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from kernels.quant import CorruptTensor
+from spotlight import loading
+from spotlight.attention import DenseDecode
+from spotlight.cache import KVCache
+from spotlight.config import EngineConfig
+from spotlight.model import Transformer, build_model
+from spotlight.onerow import use_onerow_linear
+from spotlight.quantized import QuantLinear, unpermute_rows, use_quantized_linear
+from spotlight.testing import tiny_args
+
+RELATIVE_TOLERANCE = 1e-4  # || quantized - fp32 || / || fp32 || of one decode step's logits
+Q = gguf.GGMLQuantizationType
+# llama.cpp tensor -> (our parameter, ggml type) of the tiny model's layer N; the types cover
+# every format the default model and the C kernels use
+LAYER_TENSORS = {"attn_q": Q.Q4_1, "attn_k": Q.Q8_0, "attn_v": Q.Q4_1, "attn_output": Q.Q5_0,
+                 "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0}
+
+
+def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """The rope permutation llama.cpp's converter applies to attn_q / attn_k rows (inverse of
+    spotlight.quantized.unpermute_rows)."""
+    rows = weights.shape[0]
+    return weights.reshape(heads, 2, rows // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def hf_weights(model: Transformer, layer: int) -> dict[str, np.ndarray]:
+    """The tiny model's per-layer matrices under llama.cpp's names, fp32, HF row order."""
+    args, block = model.args, model.layers[layer]
+    q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    qkv = block.attention.wqkv.weight.numpy()
+    gate_up = block.feed_forward.w_gate_up.weight.numpy()
+    return {"attn_q": qkv[:q_rows], "attn_k": qkv[q_rows:q_rows + kv_rows], "attn_v": qkv[q_rows + kv_rows:],
+            "attn_output": block.attention.wo.weight.numpy(), "ffn_gate": gate_up[:args.intermediate_size],
+            "ffn_up": gate_up[args.intermediate_size:], "ffn_down": block.feed_forward.w_down.weight.numpy()}
+
+
+def write_tiny_gguf(path, model: Transformer, types: dict = LAYER_TENSORS, output_type=Q.Q8_0) -> None:
+    """Write `model` as a llama GGUF, then load gguf's dequantisation of each matrix back into
+    `model` (so `model` is the fp32 twin of the file)."""
+    args = model.args
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", model.tok_embeddings.weight.numpy())
+    dequantised = {}
+    for i in range(args.n_layers):
+        for name, weight in hf_weights(model, i).items():
+            heads = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads}.get(name)
+            stored = llama_cpp_permute(weight, heads) if heads else weight
+            qtype = types[name]
+            if qtype == Q.F16:
+                writer.add_tensor(f"blk.{i}.{name}.weight", stored.astype(np.float16))
+                back = stored.astype(np.float16).astype(np.float32)
+            else:
+                blocks = quantize(stored, qtype)
+                writer.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+                back = dequantize(blocks, qtype)
+            dequantised[(i, name)] = back[unpermute_rows(back.shape[0], heads)] if heads else back
+    output = quantize(model.output.weight.numpy(), output_type)
+    writer.add_tensor("output.weight", output, raw_shape=output.shape, raw_dtype=output_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with torch.no_grad():
+        for i, block in enumerate(model.layers):
+            d = {name: torch.from_numpy(dequantised[(i, name)]) for name in LAYER_TENSORS}
+            block.attention.wqkv.weight.copy_(torch.cat([d["attn_q"], d["attn_k"], d["attn_v"]]))
+            block.attention.wo.weight.copy_(d["attn_output"])
+            block.feed_forward.w_gate_up.weight.copy_(torch.cat([d["ffn_gate"], d["ffn_up"]]))
+            block.feed_forward.w_down.weight.copy_(d["ffn_down"])
+        model.output.weight.copy_(torch.from_numpy(dequantize(output, output_type)))
+
+
+@pytest.fixture
+def tiny_pair(tmp_path):
+    """(fp32 twin, quantized model, swap report, GGUF path) of a tiny random llama GGUF."""
+    torch.manual_seed(0)
+    fp32 = use_onerow_linear(Transformer(tiny_args(64)).eval().requires_grad_(False))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, fp32)
+    quantized = copy.deepcopy(fp32)
+    swap = use_quantized_linear(quantized, path, fp32.args)
+    return fp32, quantized, swap, path
+
+
+def run(model: Transformer, prompt: torch.Tensor, steps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(all prefill logits (T, V), the logits (V,) of each one-token decode step)."""
+    cache = KVCache(model.args, len(prompt) + len(steps))
+    with torch.inference_mode():
+        prefill = model(prompt, cache, DenseDecode(), all_logits=True)  # (T, V)
+        decoded = [model(torch.tensor([token]), cache, DenseDecode()) for token in steps]  # (V,) each
+    return prefill, decoded
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def test_unpermute_rows_inverts_llama_cpp_permutation():
+    rows = np.arange(24, dtype=np.float32)[:, None]  # (24, 1): 3 heads of 8 rows
+    assert unpermute_rows(24, 3).tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                              16, 18, 20, 22, 17, 19, 21, 23]
+    assert np.array_equal(llama_cpp_permute(rows, 3)[unpermute_rows(24, 3)], rows)
+
+
+def test_tiny_gguf_swaps_every_linear_and_decodes_as_fp32(tiny_pair):
+    fp32, quantized, swap, _ = tiny_pair
+    args = fp32.args
+    assert swap.swapped == tuple(f"layers.{i}.{m}" for i in range(args.n_layers) for m in
+                                 ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up",
+                                  "feed_forward.w_down")) + ("output",)
+    assert swap.kept_fp32 == ()
+    assert [m.qtypes for m in quantized.modules() if isinstance(m, QuantLinear)][:4] == [
+        ("Q4_1", "Q8_0", "Q4_1"), ("Q5_0",), ("Q4_1", "Q4_1"), ("Q8_0",)]
+    prompt = torch.arange(3, 40)  # (T,)
+    want_prefill, want_steps = run(fp32, prompt, [5, 77, 200])
+    got_prefill, got_steps = run(quantized, prompt, [5, 77, 200])
+    # prefill dequantises into the shared buffer: gguf's exact weights, so torch's exact result
+    assert torch.equal(got_prefill, want_prefill)
+    errors = [relative(got, want) for got, want in zip(got_steps, want_steps)]
+    assert max(errors) <= RELATIVE_TOLERANCE, errors
+
+
+def test_kernel_less_type_stays_fp32_with_a_notice(tmp_path, caplog):
+    torch.manual_seed(1)
+    fp32 = use_onerow_linear(Transformer(tiny_args(64)).eval().requires_grad_(False))
+    path = tmp_path / "f16.gguf"
+    write_tiny_gguf(path, fp32, {**LAYER_TENSORS, "ffn_down": Q.F16})
+    quantized = copy.deepcopy(fp32)
+    with caplog.at_level(logging.WARNING, logger="spotlight"):
+        swap = use_quantized_linear(quantized, path, fp32.args)
+    assert swap.kept_fp32 == tuple(f"layers.{i}.feed_forward.w_down: F16" for i in range(fp32.args.n_layers))
+    assert "'blk.0.ffn_down.weight' is F16, which has no quantized kernel" in caplog.text
+    assert not isinstance(quantized.layers[0].feed_forward.w_down, QuantLinear)
+    prompt = torch.arange(3, 20)
+    _, want = run(fp32, prompt, [9])
+    _, got = run(quantized, prompt, [9])
+    assert relative(got[0], want[0]) <= RELATIVE_TOLERANCE
+
+
+def test_format_without_c_kernel_runs_numba_in_the_same_module(tmp_path):
+    """Q4_0 has a numba kernel but none in quant.c: its QuantLinear takes the numba path."""
+    torch.manual_seed(2)
+    fp32 = use_onerow_linear(Transformer(tiny_args(64)).eval().requires_grad_(False))
+    path = tmp_path / "q4_0.gguf"
+    write_tiny_gguf(path, fp32, {**LAYER_TENSORS, "attn_output": Q.Q4_0})
+    quantized = copy.deepcopy(fp32)
+    use_quantized_linear(quantized, path, fp32.args)
+    assert quantized.layers[0].attention.wo.qtypes == ("Q4_0",)
+    prompt = torch.arange(3, 20)
+    _, want = run(fp32, prompt, [9, 10])
+    _, got = run(quantized, prompt, [9, 10])
+    assert max(relative(g, w) for g, w in zip(got, want)) <= RELATIVE_TOLERANCE
+
+
+def test_truncated_gguf_raises_corrupt_tensor(tiny_pair, tmp_path):
+    fp32, _, _, path = tiny_pair
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CorruptTensor, match="truncated"):
+        use_quantized_linear(copy.deepcopy(fp32), cut, fp32.args)
+
+
+def test_tensor_of_another_shape_raises_corrupt_tensor_naming_it(tiny_pair):
+    fp32, _, _, path = tiny_pair
+    other = tiny_args(64)
+    wider = type(other)(**{**other.__dict__, "intermediate_size": other.intermediate_size + 32})
+    with pytest.raises(CorruptTensor, match=r"'blk\.0\.ffn_gate\.weight' is \(96, 64\) but the model needs \(128, 64\)"):
+        use_quantized_linear(copy.deepcopy(fp32), path, wider)
+
+
+def test_engine_config_validates_weights():
+    assert EngineConfig().weights == "quantized" and EngineConfig(weights="fp32").weights == "fp32"
+    with pytest.raises(ValueError, match="weights must be one of quantized, fp32; got 'int4'"):
+        EngineConfig(weights="int4")
+
+
+# ------------------------------------------------------------------- the default model (SmolLM2)
+GREEDY_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Why is the sky blue?"}],
+]
+GREEDY_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def fp32_default(engine):
+    """The default model on its fp32 dequantised copy, built as Engine.load builds it with weights="fp32"."""
+    _, args = loading.load_config(engine.source)
+    return use_onerow_linear(build_model(args, loading.load_state_dict(engine.source)))
+
+
+def greedy(model: Transformer, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation and each step's logit margin (top-1 minus top-2)."""
+    cache = KVCache(model.args, len(ids) + steps)
+    tokens, margins = [], []
+    with torch.inference_mode():
+        logits = model(torch.tensor(ids), cache, DenseDecode())  # (V,)
+        for _ in range(steps):
+            top = torch.topk(logits, 2)
+            tokens.append(int(top.indices[0]))
+            margins.append(float(top.values[0] - top.values[1]))
+            logits = model(torch.tensor([tokens[-1]]), cache, DenseDecode())
+    return tokens, margins
+
+
+@pytest.mark.model
+def test_default_engine_decodes_quantized(engine, fp32_default):
+    assert engine.config.weights == "quantized"
+    quantized = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) == 4 * engine.args.n_layers + 1
+    assert {m.qtypes for m in quantized} == {("Q4_1", "Q4_1", "Q4_1"), ("Q4_1",), ("Q4_1", "Q4_1"), ("Q8_0",)}
+    ids = engine.chat_ids(GREEDY_PROMPTS[0])
+    _, want = run(fp32_default, torch.tensor(ids), [28, 1000, 5])
+    _, got = run(engine.model, torch.tensor(ids), [28, 1000, 5])
+    errors = [relative(g, w) for g, w in zip(got, want)]
+    assert max(errors) <= RELATIVE_TOLERANCE, errors
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("messages", GREEDY_PROMPTS)
+def test_default_greedy_continuations_equal_fp32(engine, fp32_default, messages):
+    ids = engine.chat_ids(messages)
+    want, margins = greedy(fp32_default, ids, GREEDY_TOKENS)
+    got, _ = greedy(engine.model, ids, GREEDY_TOKENS)
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    assert got == want, f"diverged at step {first}, fp32 logit margin there {margins[first]:.2e}"
+
+
+def test_read_gguf_tensors_agrees_with_gguf_reader(tiny_pair):
+    from spotlight.quantized import read_gguf_tensors
+
+    path = tiny_pair[3]
+    ours, meta = read_gguf_tensors(path)
+    theirs = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert meta["general.architecture"] == "llama"
+    assert list(ours) == list(theirs)
+    for name, tensor in theirs.items():
+        got = ours[name]
+        assert (got.tensor_type, got.shape) == (tensor.tensor_type, tuple(int(n) for n in tensor.shape)), name
+        assert np.array_equal(got.data, np.asarray(tensor.data).view(np.uint8).reshape(-1)), name
+
+
+def test_file_that_is_not_gguf_raises_corrupt_tensor(tiny_pair, tmp_path):
+    fp32, _, _, path = tiny_pair
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGML" + path.read_bytes()[4:])
+    with pytest.raises(CorruptTensor, match="not a GGUF file"):
+        use_quantized_linear(copy.deepcopy(fp32), junk, fp32.args)
+    header = tmp_path / "header.gguf"
+    header.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(CorruptTensor, match="ends inside its header"):
+        use_quantized_linear(copy.deepcopy(fp32), header, fp32.args)
