@@ -403,14 +403,6 @@ def chips_html(documents: list[DocumentInfo]) -> str:
     return '<div class="chips">' + "".join(chips) + "</div>"
 
 
-def eta_text(done: float, total: float, seconds: float) -> str:
-    """'about 12 s left' from progress so far (empty until there is a rate)."""
-    if done <= 0 or seconds <= 0 or total <= done:
-        return ""
-    left = seconds * (total - done) / done
-    return f"about {left:.0f} s left" if left < 120 else f"about {left / 60:.0f} min left"
-
-
 # ----------------------------------------------------------------------------- settings
 
 
