@@ -245,6 +245,13 @@ def create_api(service, config: ApiConfig = ApiConfig()) -> FastAPI:
     return app
 
 
+def api_routes(service, config: ApiConfig = ApiConfig()) -> list:
+    """The API mounted at /v1, as routes for another app (Gradio's: `launch(app_kwargs={"routes": ...})`)."""
+    from starlette.routing import Mount
+
+    return [Mount("/v1", app=create_api(service, config))]
+
+
 def _model(config: ApiConfig) -> dict:
     return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "spotlight-chat"}
 
@@ -305,8 +312,7 @@ class ApiServer:
     def __init__(self, service, config: ApiConfig = ApiConfig(), host: str = "127.0.0.1", port: int = 8000):
         import uvicorn
 
-        root = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        root.mount("/v1", create_api(service, config))
+        root = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, routes=api_routes(service, config))
         self.url = f"http://{host}:{port}/v1"
         self.server = uvicorn.Server(uvicorn.Config(root, host=host, port=port, log_level="warning",
                                                     timeout_graceful_shutdown=1))
