@@ -171,9 +171,10 @@ def parse_messages(messages) -> tuple[str | None, tuple[tuple[str, str], ...], s
 
 def parse_sampling(body: dict, defaults: SamplingConfig, config: ApiConfig) -> SamplingConfig:
     """The request's sampling options over the server's defaults (max tokens capped by config)."""
-    max_tokens = _typed(body, "max_completion_tokens", int, "an integer") or _typed(body, "max_tokens", int, "an integer")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _typed(body, name, int, "an integer")
     if max_tokens is not None and max_tokens < 1:
-        raise invalid("'max_tokens' must be at least 1", "max_tokens")
+        raise invalid(f"'{name}' must be at least 1", name)
     temperature = _typed(body, "temperature", (int, float), "a number", defaults.temperature)
     top_p = _typed(body, "top_p", (int, float), "a number", defaults.top_p)
     seed = _typed(body, "seed", int, "an integer")

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .api import ApiConfig, ApiError, ChatApi, ChatRequest, Progress
@@ -70,7 +70,8 @@ class Generation:
         self.thread.start()
 
     def _put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        if not self.loop.is_closed():  # a server shutting down no longer listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     def _work(self) -> None:
         replies = self.api.run(self.request, self.hint)
@@ -93,19 +94,23 @@ class Generation:
         if self.session_id is not None:
             self.api.service.stop(self.session_id)
 
-    async def next(self, request: Request) -> Progress | None:
-        """The next Progress (None at the end); raises the worker's error; cancels on disconnect."""
-        while True:
-            try:
-                item = await asyncio.wait_for(self.queue.get(), _DISCONNECT_POLL_S)
-                break
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel()
-                    raise asyncio.CancelledError("client disconnected")
+    async def next(self, request: Request | None = None) -> Progress | None:
+        """The next Progress (None at the end); raises the worker's error. With `request`, polls
+        for a disconnect while waiting (and cancels); a streaming response needs no polling: the
+        server cancels its body on a disconnect."""
+        item = await (self.queue.get() if request is None else self._watching(request))
         if isinstance(item, Exception):
             raise item
         return item
+
+    async def _watching(self, request: Request):
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel()
+                    raise asyncio.CancelledError("client disconnected") from None
 
 
 def _error_response(error: ApiError) -> JSONResponse:
@@ -199,7 +204,11 @@ def create_api(service, config: ApiConfig = ApiConfig()) -> FastAPI:
     """The API app (routes relative to its mount point, "/v1")."""
     api = ChatApi(service, config)
     admission = Admission(config.max_pending, config.retry_after_s)
-    app = FastAPI(title="Spotlight Chat API", docs_url=None, redoc_url=None, openapi_url=None)
+    def guard(request: Request) -> None:  # a dependency, not an HTTP middleware: those break streaming disconnects
+        check_access(config, request.headers, request.client.host if request.client else None)
+
+    app = FastAPI(title="Spotlight Chat API", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(guard)])
     app.state.chat_api = api
     if config.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -211,15 +220,6 @@ def create_api(service, config: ApiConfig = ApiConfig()) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError):
         return _error_response(error)
-
-    @app.middleware("http")
-    async def access(request: Request, call_next):
-        if request.method != "OPTIONS":
-            try:
-                check_access(config, request.headers, request.client.host if request.client else None)
-            except ApiError as error:
-                return _error_response(error)
-        return await call_next(request)
 
     @app.get("/models")
     async def models():
@@ -286,7 +286,7 @@ async def _events(generation: Generation, request: Request, parsed: ChatRequest,
             if len(progress.text) > sent:
                 yield _sse(shapes.chunk(progress.text[sent:]))
                 sent = len(progress.text)
-            progress = await generation.next(request)
+            progress = await generation.next()
     except asyncio.CancelledError:
         generation.cancel()
         raise

@@ -173,6 +173,12 @@ def test_x_session_id_binds_a_ui_conversation(running):
     assert (error.value.status_code, error.value.body["code"]) == (409, "history_mismatch")
 
 
+def test_an_unknown_session_id_is_a_404(running):
+    response = httpx.post(running.url + "/chat/completions", headers={"X-Session-Id": "nope"},
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+    assert (response.status_code, response.json()["error"]["code"]) == (404, "conversation_not_found")
+
+
 def test_stop_strings_end_the_reply(running):
     response = chat(running.client(), [{"role": "user", "content": "one two three four"}], stop=["three"])
     assert (response.choices[0].message.content, response.choices[0].finish_reason) == ("Echo: one two ", "stop")
@@ -201,6 +207,7 @@ def test_plain_completions(running):
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
 ])
 def test_bad_requests_get_openai_shaped_400s(running, body, param):
     response = httpx.post(running.url + "/chat/completions", json={"model": "spotlight", **body})
@@ -249,18 +256,17 @@ def test_a_password_requires_the_bearer_key(tmp_path):
 
 def test_a_full_queue_answers_429_with_retry_after(tmp_path):
     server = Running(tmp_path / "home", ApiConfig(max_pending=1), delay=0.02)
-    try:
-        with httpx.stream("POST", server.url + "/chat/completions",
-                          json={"messages": [{"role": "user", "content": "/long"}], "stream": True}) as first:
-            next(first.iter_lines())  # the first reply is running: the one slot is taken
+    client = server.client()
+    try:  # the first reply would run 4000 words (80 s): it holds the one slot until the stream is closed
+        with httpx.stream("POST", server.url + "/chat/completions", json={
+                "messages": [{"role": "user", "content": "/long"}], "stream": True, "max_tokens": 4000}) as first:
+            lines = first.iter_lines()  # kept: a dropped line iterator closes the stream (a disconnect)
+            next(lines)  # the first reply is running: the one slot is taken
             busy = httpx.post(server.url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
             assert (busy.status_code, busy.json()["error"]["code"], busy.headers["retry-after"]) == (
                 429, "rate_limit_exceeded", "5")
-        with pytest.raises(openai.RateLimitError):  # the official client sees it as such too (retries off)
-            with httpx.stream("POST", server.url + "/chat/completions",
-                              json={"messages": [{"role": "user", "content": "/long"}], "stream": True}) as again:
-                next(again.iter_lines())
-                chat(server.client(), [{"role": "user", "content": "hi"}])
+            with pytest.raises(openai.RateLimitError):  # the official client sees it as such (retries off)
+                chat(client, [{"role": "user", "content": "hi"}])
     finally:
         server.close()
 
