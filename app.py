@@ -34,7 +34,9 @@ import gradio as gr  # noqa: E402
 from chat import documents as uploads  # noqa: E402
 from chat import ui_model as ui  # noqa: E402
 from chat import web_guard  # noqa: E402
+from chat.api import ApiConfig  # noqa: E402
 from chat.errors import ChatError, NotFoundError  # noqa: E402
+from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
 from chat.config import WEIGHTS, AppConfig, EngineConfig  # noqa: E402
 
@@ -42,6 +44,7 @@ STREAM_EVERY = 0.08  # seconds between UI updates while streaming (~12 Hz: long 
 ENGINE = {"concurrency_id": "engine", "concurrency_limit": 1}  # one model, one queue for all its events
 STREAMING = {**ENGINE, "show_progress": "minimal"}  # plus show_progress_on the status line: no overlay
 PASSWORD_ENV = "SPOTLIGHT_PASSWORD"
+API_KEY_ENV = "SPOTLIGHT_API_KEY"
 # Local font stacks only: the default theme fonts come from Google Fonts, and nothing may leave this machine.
 THEME = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "sans-serif"),
                        font_mono=("ui-monospace", "SFMono-Regular", "Consolas", "monospace"))
@@ -688,13 +691,16 @@ def adapted(handler, outputs: list, status: list):
 
 
 def serve(service: ChatService, host: str = "127.0.0.1", port: int = 7860, *, password: str | None = None,
-          **launch_options):
+          api: ApiConfig | None = None, **launch_options):
     """Build the UI and launch it with its style, shortcuts and (optional) password, behind
-    chat/web_guard.py (the Content-Security-Policy, the login back-off)."""
+    chat/web_guard.py (the Content-Security-Policy, the login back-off); with `api`, the
+    OpenAI-compatible API (chat/http_api.py) is served at /v1 on the same server."""
     demo = build_ui(service).queue(default_concurrency_limit=4)
     auth = web_guard.password_check(password) if password else None
+    routes = api_routes(service, api) if api is not None else []
     demo.launch(server_name=host, server_port=port, auth=auth, css=CSS, head=HEAD,
-                theme=THEME, footer_links=["api"], app_kwargs={"middleware": web_guard.middleware()},
+                theme=THEME, footer_links=["api"],
+                app_kwargs={"middleware": web_guard.middleware(), "routes": routes},
                 auth_message="Spotlight Chat: any user name, the server's password", **launch_options)
     return demo
 
@@ -709,6 +715,13 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest reply in tokens (default: 256)")
     p.add_argument("--password", default=os.environ.get(PASSWORD_ENV),
                    help=f"require this password (any user name); default: ${PASSWORD_ENV}. Use it on a LAN")
+    p.add_argument("--api-only", action="store_true", help="serve only the OpenAI-compatible API at /v1, no UI")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"the API's bearer key; default: ${API_KEY_ENV}, else the password")
+    p.add_argument("--api-allow-remote", action="store_true",
+                   help="answer API requests from other machines even without a key (default: loopback only)")
+    p.add_argument("--api-cors", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser front ends at ORIGIN to call the API (repeatable; default: none)")
     return p.parse_args(argv)
 
 
@@ -726,8 +739,14 @@ def main(argv=None) -> int:
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.password:
         print(f"warning: serving on {args.host} without a password; set --password or ${PASSWORD_ENV}", file=sys.stderr)
+    api = ApiConfig(api_key=args.api_key or args.password, allow_remote=args.api_allow_remote,
+                    cors_origins=tuple(args.api_cors))
+    if args.api_only:
+        print(f"Spotlight Chat API on http://{args.host}:{args.port}/v1 (data in {config.home})", file=sys.stderr)
+        ApiServer(service, api, args.host, args.port).run()
+        return 0
     print(f"Spotlight Chat on http://{args.host}:{args.port} (data in {config.home})", file=sys.stderr)
-    serve(service, args.host, args.port, password=args.password)
+    serve(service, args.host, args.port, password=args.password, api=api)
     return 0
 
 

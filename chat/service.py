@@ -25,6 +25,7 @@ from memory import CacheSize, MessageRecord, SegmentSpec, Store
 from memory.config import StoreConfig
 from segmenter import Document
 from spotlight import ReadMeter
+from spotlight.config import SamplingConfig
 from spotlight.errors import SpotlightError
 
 from . import export
@@ -211,9 +212,10 @@ class ChatService:
         with translated(session_id):
             return [self._chat_message(record) for record in self._visible(session_id)]
 
-    def send(self, session_id: SessionId, text: str) -> Iterator[Turn]:
+    def send(self, session_id: SessionId, text: str, *, sampling: SamplingConfig | None = None) -> Iterator[Turn]:
         """Add a user message and stream the reply (see `Turn`). `EngineBusy` if a reply is
-        already running in this conversation; other conversations wait for the engine."""
+        already running in this conversation; other conversations wait for the engine.
+        `sampling` overrides the configured sampling for this reply (the API's per-request options)."""
         text = _checked_text(text)
         with translated(session_id), self._flags.running(session_id) as cancel:
             records = self._visible(session_id)
@@ -223,8 +225,19 @@ class ChatService:
             if not records:
                 self._title_from(session_id, text)
             plan = ReplyPlan(session_id, conversation, [r.id for r in records] + [user.id],
-                             self._reply_to(session_id, user.id))
+                             self._reply_to(session_id, user.id), sampling=sampling)
             yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
+
+    def append(self, session_id: SessionId, role: str, text: str) -> ChatMessage:
+        """Add a message to the end of the visible conversation without generating (the API
+        stores a request's earlier turns this way); its cache is computed on the next reply."""
+        if role not in ("user", "assistant"):
+            raise InvalidAction(f"a message's role is 'user' or 'assistant', not {role!r}")
+        with translated(session_id), self._flags.running(session_id):
+            records = self._visible(session_id)
+            record = self.store.transcript.add_message(session_id, role, text,
+                                                       parent_id=records[-1].id if records else None)
+            return self._chat_message(record)
 
     def regenerate(self, session_id: SessionId) -> Iterator[Turn]:
         """A new reply to the last user message; the previous reply stays as a sibling branch."""
@@ -239,7 +252,8 @@ class ChatService:
                              store_reply)
             yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
 
-    def edit(self, session_id: SessionId, message_id: MessageId, text: str) -> Iterator[Turn]:
+    def edit(self, session_id: SessionId, message_id: MessageId, text: str, *,
+             sampling: SamplingConfig | None = None) -> Iterator[Turn]:
         """Replace one of your earlier messages with `text` and stream a new reply. The edit is a
         sibling branch: the old message and everything after it are kept, and the cache is
         reused up to the edited message."""
@@ -253,7 +267,7 @@ class ChatService:
             self._check_fits(conversation)
             user = self.store.transcript.add_sibling(message_id, text)
             plan = ReplyPlan(session_id, conversation, [r.id for r in records[:index]] + [user.id],
-                             self._reply_to(session_id, user.id))
+                             self._reply_to(session_id, user.id), sampling=sampling)
             yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
 
     def undo(self, session_id: SessionId) -> str:

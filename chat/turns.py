@@ -47,6 +47,7 @@ class ReplyPlan:
     message_ids: list[MessageId]
     store_reply: StoreReply
     sources: bool = True  # tally the reply's attention over attached documents (chat/sources.py)
+    sampling: SamplingConfig | None = None  # None: the runner's (the configured) sampling
 
 
 class TurnRunner:
@@ -73,10 +74,11 @@ class TurnRunner:
         Closing the generator early (a UI that stops listening) counts as a stop: the text
         generated so far is stored as the reply, like after `stop()`."""
         prompt = self.renderer.prompt(plan.conversation)
+        sampling = plan.sampling or self.sampling
         closed = False
         with self.gate.hold(plan.session_id):
             # the decode loop stops at the model's window, so no room beyond it is needed up front
-            capacity = min(len(prompt) + self.sampling.max_new_tokens + _END_OF_TURN_ROOM, self.engine.max_context)
+            capacity = min(len(prompt) + sampling.max_new_tokens + _END_OF_TURN_ROOM, self.engine.max_context)
             context, restored = self._prepare(plan.session_id, prompt, cancel, capacity)
             _report_restore(turn, restored)
             context.reserve(capacity)
@@ -84,7 +86,7 @@ class TurnRunner:
             meter = ReadMeter()
             observers = [meter] if tracker is None else [meter, tracker.observer]
             try:
-                for step in self.engine.stream(context, list(prompt.ids), self.sampling, cancel=cancel,
+                for step in self.engine.stream(context, list(prompt.ids), sampling, cancel=cancel,
                                                observers=observers):
                     turn.text += step.text
                     if step.finish is None:

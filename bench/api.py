@@ -1,0 +1,145 @@
+"""The OpenAI-compatible API: time to first token with prompt memory, and concurrent streaming.
+
+    python -m bench.api [--quick] [--json PATH] [--no-results]
+
+One request carries a document (Paul Graham essays, ~7.6K tokens; 1.5K with --quick) in its
+system message and a question; it is streamed with the official `openai` client from an
+`ApiServer` (chat/http_api.py) on loopback over the default model. TTFT = request sent to
+the first content delta:
+  first     the data directory is empty: the whole prompt is prefilled;
+  repeated  the same request again: it matches the stored API conversation (warm in RAM);
+  restart   the same request after the server and its ChatService are closed and reopened
+            on the same data directory (nothing in RAM: spans are read from disk). The model
+            object is reused (the process is not restarted: loading it is not part of TTFT).
+Then 4 clients stream at once, each a different question over the same document (a fresh
+conversation each: the content-addressed prefix is reused): total generated tokens per
+second over the wall time, and p50 / p95 of their TTFTs (two rounds).
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.common import Target, finish, log, parser
+
+CLIENTS = 4
+QUESTIONS = ("Summarise the first essay in one sentence.", "Which essay is the longest?",
+             "Name one idea they share.", "Any advice for founders?", "What is the tone?",
+             "Who is the audience?", "Give a title for the collection.", "What surprised you?")
+
+
+def stream_ttft(client, messages, max_tokens: int) -> tuple[float, int, int]:
+    """(seconds to the first content delta, completion tokens, cached prompt tokens)."""
+    started, first, usage = time.perf_counter(), None, None
+    for chunk in client.chat.completions.create(model="spotlight", messages=messages, max_tokens=max_tokens,
+                                                stream=True, stream_options={"include_usage": True}):
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - started
+        usage = chunk.usage or usage
+    return first if first is not None else time.perf_counter() - started, usage.completion_tokens, \
+        usage.prompt_tokens_details.cached_tokens
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, engine, home: Path):
+        import openai
+
+        from chat.api import ApiConfig
+        from chat.config import AppConfig
+        from chat.http_api import ApiServer
+        from chat.service import ChatService
+
+        self.service = ChatService(AppConfig(home=home), _engine=engine)
+        self.server = ApiServer(self.service, ApiConfig(), port=free_port()).start()
+        self.client = openai.OpenAI(base_url=self.server.url, api_key="unused", max_retries=0, timeout=600)
+
+    def close(self):
+        self.server.close()
+        self.service.close()
+
+
+def memory_rows(engine, home: Path, messages) -> list[dict]:
+    rows = []
+    server = Server(engine, home)
+    for case in ("first", "repeated"):
+        seconds, _, cached = stream_ttft(server.client, messages, 8)
+        rows.append({"case": case, "ttft_s": seconds, "cached_tokens": cached})
+        log(f"{case}: {seconds:.3f} s, {cached} cached")
+    server.close()
+    server = Server(engine, home)
+    seconds, _, cached = stream_ttft(server.client, messages, 8)
+    rows.append({"case": "restart", "ttft_s": seconds, "cached_tokens": cached})
+    log(f"restart: {seconds:.3f} s, {cached} cached")
+    server.close()
+    for row in rows:
+        row["speedup"] = rows[0]["ttft_s"] / row["ttft_s"]
+    return rows
+
+
+def concurrent_row(engine, home: Path, system: str, max_tokens: int) -> dict:
+    server = Server(engine, home)
+    ttfts, tokens = [], []
+    lock = threading.Lock()
+
+    def one(question: str):
+        result = stream_ttft(server.client, [{"role": "system", "content": system},
+                                             {"role": "user", "content": question}], max_tokens)
+        with lock:
+            ttfts.append(result[0])
+            tokens.append(result[1])
+
+    started = time.perf_counter()
+    for round_start in range(0, 2 * CLIENTS, CLIENTS):
+        threads = [threading.Thread(target=one, args=(q,)) for q in QUESTIONS[round_start:round_start + CLIENTS]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    wall = time.perf_counter() - started
+    server.close()
+    ordered = sorted(ttfts)
+    return {"case": f"{CLIENTS} concurrent clients", "requests": len(ttfts), "tokens": sum(tokens),
+            "tokens_per_s": sum(tokens) / wall, "ttft_p50_s": statistics.median(ordered),
+            "ttft_p95_s": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]}
+
+
+def main(argv=None) -> int:
+    args = parser("api", "OpenAI-compatible API: TTFT with prompt memory (first, repeated, restart), concurrency").parse_args(argv)
+    from bench.decode import essay_ids
+    from spotlight.config import EngineConfig, default_home
+    from spotlight.engine import Engine
+
+    engine = Engine.load(EngineConfig(), default_home())
+    engine.warm_up()
+    doc_tokens = 1500 if args.quick else 7600
+    system = "Answer from the document.\n\n" + engine.tokenizer.decode(essay_ids(engine.tokenizer, doc_tokens))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]
+    with tempfile.TemporaryDirectory(prefix="spotlight-api-") as tmp:
+        rows = memory_rows(engine, Path(tmp) / "home", messages)
+        concurrent = concurrent_row(engine, Path(tmp) / "home", system, 16 if args.quick else 32)
+    targets = [Target("repeated TTFT speedup vs first (x)", rows[1]["speedup"], 50),
+               Target("after-restart TTFT speedup vs first (x)", rows[2]["speedup"], 50)]
+    notes = (f"SmolLM2-135M (the default model, the app's default decode policy) on CPU, {engine.count_tokens(system):,}-token "
+             "document in the system message, streamed with the `openai` client over loopback; max_tokens 8 for the "
+             "TTFT rows. restart = server and ChatService closed and reopened on the data directory (the model object "
+             "is kept). Concurrent row: 2 rounds of 4 streaming clients, each a new conversation over the same "
+             "document (its prefix spans are reused), replies serialised on the one engine.")
+    finish("api", args, rows + [concurrent], targets, title="OpenAI-compatible API (prompt memory, concurrency)",
+           notes=notes, columns=["case", "ttft_s", "cached_tokens", "speedup", "requests", "tokens", "tokens_per_s",
+                                 "ttft_p50_s", "ttft_p95_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
