@@ -63,6 +63,7 @@ class Generation:
         self.abandoned = threading.Event()
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.checked = self.loop.time()  # when the client's connection was last checked (non-streaming)
         self.thread = threading.Thread(target=self._work, name="api-generation", daemon=True)
 
     def start(self, on_done) -> None:
@@ -104,13 +105,19 @@ class Generation:
         return item
 
     async def _watching(self, request: Request):
+        """The next item, checking for a disconnect every _DISCONNECT_POLL_S also while items keep
+        coming (a fast reply never leaves the queue idle for a whole poll)."""
+        loop = asyncio.get_running_loop()
         while True:
+            if loop.time() - self.checked >= _DISCONNECT_POLL_S:
+                self.checked = loop.time()
+                if await request.is_disconnected():
+                    self.cancel()
+                    raise asyncio.CancelledError("client disconnected")
             try:
                 return await asyncio.wait_for(self.queue.get(), _DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel()
-                    raise asyncio.CancelledError("client disconnected") from None
+                continue
 
 
 def _error_response(error: ApiError) -> JSONResponse:

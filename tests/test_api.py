@@ -286,6 +286,21 @@ def test_a_client_that_disconnects_stops_its_reply(tmp_path):
         server.close()
 
 
+def test_a_non_streaming_client_that_disconnects_stops_its_reply(tmp_path):
+    """A non-streaming request has no body to cancel: the server polls for the disconnect while it waits."""
+    server = Running(tmp_path / "home", delay=0.02)
+    try:  # a 4000-word reply would take 80 s; the client gives up after 0.5 s and closes its connection
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/chat/completions", timeout=httpx.Timeout(10.0, read=0.5),
+                       json={"messages": [{"role": "user", "content": "/long"}], "max_tokens": 4000})
+        session_id = server.service.list_sessions()[0].id
+        stored = wait_for_reply(server.service, session_id)
+        assert stored.stats["finish"] == "cancelled"
+        assert len(stored.content.split()) < 4000
+    finally:
+        server.close()
+
+
 def wait_for_reply(service, session_id, rounds: int = 500):
     """The conversation's stored reply, once its run has ended (bounded polling, no timing assert)."""
     done = threading.Event()
