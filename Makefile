@@ -52,8 +52,18 @@ bench: setup
 bench-quick: setup
 	$(PY) -m bench.all --quick
 
+# llama-cpp-python (the Python binding, for bench.decode / spotlight_speed) and, from the same
+# build, llama.cpp's own `llama-server` (for bench.api's slot-file comparison), kept in
+# .bench-cache/llama-build/bin/. About 10-12 minutes on 2 cores; offline (the sdist is in the
+# local package index). LLAVA_BUILD=OFF: the tools already build mtmd, and a second copy clashes.
+LLAMA_BUILD := $(CURDIR)/.bench-cache/llama-build
+LLAMA_CMAKE := -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+
 bench-deps: setup
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --no-deps --no-binary llama-cpp-python \
+		-C build-dir=$(LLAMA_BUILD) llama-cpp-python==0.3.36
+	test -x $(LLAMA_BUILD)/bin/llama-server
 
 clean-venv:
 	rm -rf $(VENV)
