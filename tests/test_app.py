@@ -47,7 +47,7 @@ def test_throttled_drops_intermediate_items_but_never_the_last():
 def ui_parts(tmp_path):
     """(components, handlers, events table) of a UI over the echo engine, built as build_ui builds it."""
     service = ChatService(AppConfig(home=tmp_path / "home", system_prompt="Be brief."), _engine=echo_engine())
-    handlers = Handlers(ServiceRef(service), tmp_path)
+    handlers = Handlers(ServiceRef(service))
     with gr.Blocks() as demo:
         components = app.layout(demo, service.config)
         table = app.events(components, handlers)
