@@ -643,9 +643,10 @@ def wire(c: Components, h: Handlers) -> None:
     gr.api(h.history_api, api_name="history")
 
 
-def build_ui(service: ChatService) -> gr.Blocks:
-    """The whole app over one chat service (see `serve` for launching it with its style)."""
-    handlers = Handlers(ServiceRef(service))
+def build_ui(service: ChatService, *, holder: ServiceRef | None = None) -> gr.Blocks:
+    """The whole app over one chat service (see `serve` for launching it with its style);
+    `holder`, when given, holds it (and, after Settings -> Apply, the service in use)."""
+    handlers = Handlers(holder or ServiceRef(service))
     with gr.Blocks(title="Spotlight Chat", fill_height=True, delete_cache=FILE_CLEANUP) as demo:
         wire(layout(demo, service.config), handlers)
     return demo
@@ -690,7 +691,7 @@ def adapted(handler, outputs: list, status: list):
 
 
 def serve(service: ChatService, host: str = "127.0.0.1", port: int = 7860, *, password: str | None = None,
-          api: ApiConfig | None = None, **launch_options):
+          api: ApiConfig | None = None, holder: ServiceRef | None = None, **launch_options):
     """Build the UI and launch it with its style, shortcuts and (optional) password, behind
     chat/web_guard.py (the Content-Security-Policy, the login back-off); with `api`, the
     OpenAI-compatible API (chat/http_api.py) is served at /v1 on the same server. Gradio's
@@ -698,7 +699,7 @@ def serve(service: ChatService, host: str = "127.0.0.1", port: int = 7860, *, pa
     now (memory/scratch.py), not the system's temp directory that other instances share."""
     service.clear_scratch()  # opens the store first: a second server on the same data directory stops here
     os.environ["GRADIO_TEMP_DIR"] = str(service.scratch.gradio_dir)  # read by the Blocks and the server below
-    demo = build_ui(service).queue(default_concurrency_limit=4)
+    demo = build_ui(service, holder=holder).queue(default_concurrency_limit=4)
     auth = web_guard.password_check(password) if password else None
     routes = api_routes(service, api) if api is not None else []
     demo.launch(server_name=host, server_port=port, auth=auth, css=CSS, head=HEAD,
@@ -741,24 +742,17 @@ def startup_config(args, saved: dict) -> AppConfig:
 
 
 def with_saved_settings(service: ChatService, config: AppConfig) -> ChatService:
-    """A service for `config` (`startup_config` with the saved settings) over `service`'s data
-    directory, its model loaded; when the saved model does not load, `service`'s model, with a
-    warning (so a model moved away never keeps the app from starting)."""
-    if config != service.config:
-        service.close()
-        chosen = ChatService(config)
-        try:
-            chosen.load_model()
-            return chosen
-        except ModelUnavailable as error:
-            if config.engine == service.config.engine:
-                raise
-            print(f"warning: the model chosen in Settings could not be loaded ({error}); starting with "
-                  f"{service.config.engine.model_path or 'the bundled model'}", file=sys.stderr)
-        chosen.close()
-        service = ChatService(config.with_(engine=service.config.engine))
-    service.load_model()
-    return service
+    """The service reconfigured for `config` (`startup_config` with the saved settings), its model
+    loaded; when the saved model does not load, with `service`'s model and a warning (so a model
+    moved away never keeps the app from starting)."""
+    try:
+        return service.reconfigured(config)
+    except ModelUnavailable as error:
+        if config.engine == service.config.engine:
+            raise
+        print(f"warning: the model chosen in Settings could not be loaded ({error}); starting with "
+              f"{service.config.engine.model_path or 'the bundled model'}", file=sys.stderr)
+        return service.reconfigured(config.with_(engine=service.config.engine))
 
 
 def main(argv=None) -> int:
