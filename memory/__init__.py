@@ -5,7 +5,8 @@ files: it composes `Connections` (memory/connections.py), `store.transcript` (a
 `Transcript`, memory/transcript.py) and `store.spans` (a `SpanIndex`, memory/spans.py).
 `records` holds ids, `SpanKey` and the row records; `blobs` owns the span file format;
 `errors` holds the named failures; `Scratch` (memory/scratch.py) the short-lived files (uploads
-while they are read, exports for download) and `store.settings` the app's saved settings. `python -m memory verify [PATH]` checks a store.
+while they are read, exports for download) and `store.settings` the app's saved settings.
+`python -m memory verify [PATH]` checks a store.
 Importing this package does not import torch.
 """
 
