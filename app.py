@@ -19,11 +19,9 @@ import functools
 import inspect
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import NamedTuple
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -35,11 +33,14 @@ from chat import documents as uploads  # noqa: E402
 from chat import ui_model as ui  # noqa: E402
 from chat import web_guard  # noqa: E402
 from chat.api import ApiConfig  # noqa: E402
-from chat.errors import ChatError, NotFoundError  # noqa: E402
+from chat.errors import ChatError, ModelUnavailable, NotFoundError  # noqa: E402
 from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
 from chat.config import WEIGHTS, AppConfig, EngineConfig  # noqa: E402
 
+# Gradio's own sweep of its temporary folder (every 10 minutes, files older than an hour): a backstop
+# for what chat/ does not delete itself (uploads are deleted once read, exports at the next export)
+FILE_CLEANUP = (600, 3600)
 STREAM_EVERY = 0.08  # seconds between UI updates while streaming (~12 Hz: long answers stay smooth)
 ENGINE = {"concurrency_id": "engine", "concurrency_limit": 1}  # one model, one queue for all its events
 STREAMING = {**ENGINE, "show_progress": "minimal"}  # plus show_progress_on the status line: no overlay
@@ -356,9 +357,8 @@ class Handlers:
     service, and returns what its outputs show: a `View`, a `Reply`, or one component's value.
     A ValueError raised here is a user-facing message (see `adapted`)."""
 
-    def __init__(self, service: ServiceRef, export_dir: Path):
+    def __init__(self, service: ServiceRef):
         self._service = service
-        self._export_dir = export_dir
 
     @property
     def service(self) -> ChatService:
@@ -447,14 +447,12 @@ class Handlers:
         if not session_id:
             raise ValueError("There is nothing to export yet: open a conversation first.")
         service = self.service
-        text = service.export_markdown(session_id) if suffix == ".md" else service.export_json(session_id)
-        path = self._export_dir / ui.export_filename(service.get(session_id).title, suffix)
-        path.write_text(text, encoding="utf-8")
+        path = service.export_file(session_id, ui.export_filename(service.get(session_id).title, suffix))
         return gr.File(value=str(path), visible=True)
 
     def import_json(self, path: str) -> View:
-        """A conversation exported as JSON, imported as a new one and opened."""
-        return self.view(self.service.import_json(Path(path).read_bytes()).id)
+        """A conversation exported as JSON, imported as a new one and opened (the upload is deleted)."""
+        return self.view(self.service.import_file(path).id)
 
     def upload(self, session_id: str | None, paths: list[str] | None, progress=gr.Progress()) -> View:
         """Attach the files (to a new conversation when none is open) and read them into the cache."""
@@ -543,11 +541,12 @@ class Handlers:
 
     def apply_settings(self, *values) -> str:
         """Use the settings form's values (one per ui.SettingsForm field); returns the note."""
-        service = self.service
-        config, notes = ui.apply_settings(service.config, ui.SettingsForm(*values))
+        service, form = self.service, ui.SettingsForm(*values)
+        config, notes = ui.apply_settings(service.config, form)
         if config == service.config:
             return ui.NOTHING_CHANGED
         self._service.replace(service.reconfigured(config))  # a model that fails to load raises ModelUnavailable
+        self.service.save_settings(ui.settings_values(form))  # kept for the next start
         return ui.settings_note(notes)
 
     def history_api(self, session_id: str) -> list[dict]:
@@ -644,10 +643,11 @@ def wire(c: Components, h: Handlers) -> None:
     gr.api(h.history_api, api_name="history")
 
 
-def build_ui(service: ChatService) -> gr.Blocks:
-    """The whole app over one chat service (see `serve` for launching it with its style)."""
-    handlers = Handlers(ServiceRef(service), Path(tempfile.mkdtemp(prefix="spotlight-export-")))
-    with gr.Blocks(title="Spotlight Chat", fill_height=True) as demo:
+def build_ui(service: ChatService, *, holder: ServiceRef | None = None) -> gr.Blocks:
+    """The whole app over one chat service (see `serve` for launching it with its style);
+    `holder`, when given, holds it (and, after Settings -> Apply, the service in use)."""
+    handlers = Handlers(holder or ServiceRef(service))
+    with gr.Blocks(title="Spotlight Chat", fill_height=True, delete_cache=FILE_CLEANUP) as demo:
         wire(layout(demo, service.config), handlers)
     return demo
 
@@ -691,11 +691,15 @@ def adapted(handler, outputs: list, status: list):
 
 
 def serve(service: ChatService, host: str = "127.0.0.1", port: int = 7860, *, password: str | None = None,
-          api: ApiConfig | None = None, **launch_options):
+          api: ApiConfig | None = None, holder: ServiceRef | None = None, **launch_options):
     """Build the UI and launch it with its style, shortcuts and (optional) password, behind
     chat/web_guard.py (the Content-Security-Policy, the login back-off); with `api`, the
-    OpenAI-compatible API (chat/http_api.py) is served at /v1 on the same server."""
-    demo = build_ui(service).queue(default_concurrency_limit=4)
+    OpenAI-compatible API (chat/http_api.py) is served at /v1 on the same server. Gradio's
+    temporary folder (uploads, exports) is the data directory's short-lived files folder, emptied
+    now (memory/scratch.py), not the system's temp directory that other instances share."""
+    service.clear_scratch()  # opens the store first: a second server on the same data directory stops here
+    os.environ["GRADIO_TEMP_DIR"] = str(service.scratch.gradio_dir)  # read by the Blocks and the server below
+    demo = build_ui(service, holder=holder).queue(default_concurrency_limit=4)
     auth = web_guard.password_check(password) if password else None
     routes = api_routes(service, api) if api is not None else []
     demo.launch(server_name=host, server_port=port, auth=auth, css=CSS, head=HEAD,
@@ -725,18 +729,43 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    config = AppConfig(engine=EngineConfig(model_path=args.model, weights=args.weights), host=args.host, port=args.port)
+def startup_config(args, saved: dict) -> AppConfig:
+    """What the app starts with: the defaults, the settings saved from the Settings tab over them
+    (`saved`, ChatService.saved_settings), and what the command line names over those."""
+    config = ui.saved_config(AppConfig(engine=EngineConfig(weights=args.weights), host=args.host, port=args.port),
+                             saved)
+    if args.model is not None:
+        config = config.with_(engine=replace(config.engine, model_path=args.model))
     if args.max_new_tokens is not None:
         config = config.with_(sampling=replace(config.sampling, max_new_tokens=args.max_new_tokens))
-    service = ChatService(config)
+    return config
+
+
+def with_saved_settings(service: ChatService, config: AppConfig) -> ChatService:
+    """The service reconfigured for `config` (`startup_config` with the saved settings), its model
+    loaded; when the saved model does not load, with `service`'s model and a warning (so a model
+    moved away never keeps the app from starting)."""
     try:
-        service.load_model()  # load (and on first use convert) the model before serving: fail here, clearly
-        service.list_sessions()  # open the store: a second server on the same data directory stops here
+        return service.reconfigured(config)
+    except ModelUnavailable as error:
+        if config.engine == service.config.engine:
+            raise
+        print(f"warning: the model chosen in Settings could not be loaded ({error}); starting with "
+              f"{service.config.engine.model_path or 'the bundled model'}", file=sys.stderr)
+        return service.reconfigured(config.with_(engine=service.config.engine))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    service = ChatService(startup_config(args, {}))
+    try:
+        saved = service.saved_settings()  # opens the store: a second server on the same data directory stops here
+        # load (and on first use convert) the model before serving: fail here, clearly
+        service = with_saved_settings(service, startup_config(args, saved))
     except ChatError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    config = service.config
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.password:
         print(f"warning: serving on {args.host} without a password; set --password or ${PASSWORD_ENV}", file=sys.stderr)
     api = ApiConfig(api_key=args.api_key or args.password, allow_remote=args.api_allow_remote,

@@ -162,14 +162,15 @@ class CacheSync:
     # ------------------------------------------------------------------ restore
 
     def restore(self, session_id: SessionId, rendering: Rendering, *, cancel=None,
-                capacity: int | None = None) -> tuple[Context, Restored]:
+                capacity: int | None = None, prefix_only: bool = False) -> tuple[Context, Restored]:
         """A new Context (room for `capacity` tokens, default len(rendering) + 1) holding the
-        longest verified stored prefix of the rendering."""
+        longest verified stored prefix of the rendering (`prefix_only`: of its prefix spans only,
+        for a rendering whose messages are not the conversation's, such as a summary request)."""
         started = time.perf_counter()
         context = self.engine.new_context(max(capacity or 0, len(rendering) + 1))
         report = Restored()
         key = self.key(rendering)
-        chain = self._chain(session_id, key, rendering)
+        chain = self._chain(session_id, key, rendering, prefix_only)
         if not chain:
             report.notices += self._fingerprint_notices(session_id, key)
         with self.store.spans.pin([span.id for span in chain]):
@@ -180,11 +181,12 @@ class CacheSync:
         report.notices += _notices(report)
         return context, report
 
-    def _chain(self, session_id, key: CacheKey, rendering: Rendering) -> list[SpanRecord]:
+    def _chain(self, session_id, key: CacheKey, rendering: Rendering, prefix_only: bool = False) -> list[SpanRecord]:
         prefix_hash = key.prefix_hash(rendering.prefix_ids) if rendering.prefix_len else None
         if prefix_hash is not None and self.store.spans.find_prefix(prefix_hash) is None:
             return []  # no prefix stored: message spans cannot start at position 0
-        return self.store.spans.session_chain(session_id, key.span_key, prefix_hash=prefix_hash)
+        chain = self.store.spans.session_chain(session_id, key.span_key, prefix_hash=prefix_hash)
+        return [span for span in chain if span.owner == "prefix"] if prefix_only else chain
 
     def _restore_span(self, context: Context, span: SpanRecord, ids, key: CacheKey, report: Restored,
                       cancel) -> bool:
@@ -263,13 +265,15 @@ class CacheSync:
 
     # ------------------------------------------------------------------ store
 
-    def plan(self, session_id: SessionId, rendering: Rendering, message_ids: list[MessageId]) -> list[Part]:
+    def plan(self, session_id: SessionId, rendering: Rendering, message_ids: list[MessageId], *,
+             prefix_only: bool = False) -> list[Part]:
         """The rendering in parts, by position: the spans of the session's chain (`stored`), the
         prefix spans not stored yet, then a span (or SPAN_TOKENS blocks) per message after the
-        chain's end. `message_ids[i]` is the id of the rendering's message i."""
+        chain's end. `message_ids[i]` is the id of the rendering's message i (`prefix_only`: the
+        prefix's parts alone, as `restore`)."""
         key = self.key(rendering)
         ids = rendering.ids
-        chain = self._chain(session_id, key, rendering)
+        chain = self._chain(session_id, key, rendering, prefix_only)
         parts = [_stored(span) for span in chain if span.end_pos <= len(ids)]
         if rendering.prefix_len:
             parts += self._prefix_parts(key.prefix_hash(rendering.prefix_ids), rendering)

@@ -23,12 +23,23 @@ class AppConfig:
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(repetition_penalty=1.1))
     spotlight: SpotlightConfig = field(default_factory=SpotlightConfig)
     system_prompt: str = "You are a helpful assistant. Answer from the document when one is given."
+    # tokens a summary may run to (Summarize): its own request, longer than a reply (sampling.max_new_tokens)
+    summary_tokens: int = 768
     host: str = "127.0.0.1"
     port: int = 7860
+
+    def __post_init__(self):
+        if self.summary_tokens < 1:
+            raise ValueError(f"a summary needs at least 1 token (summary_tokens), got {self.summary_tokens}")
 
     @property
     def store(self) -> StoreConfig:
         return StoreConfig(root=self.home / "store")
+
+    @property
+    def scratch_dir(self) -> Path:
+        """Short-lived files (uploads while read, exports for download): memory/scratch.py."""
+        return self.home / "tmp"
 
     def with_(self, **changes) -> "AppConfig":
         return replace(self, **changes)

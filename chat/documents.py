@@ -6,7 +6,9 @@ into the KV cache so the first question is fast. No UI code: progress goes to a 
     report.errors      # (file name, message) for each file that could not be used
 
 A file that cannot be read (unsupported, broken, empty, too large for the context) is
-reported and skipped; the others are still attached. Reading into the cache can be stopped
+reported and skipped; the others are still attached. Every uploaded file is deleted once it
+has been read or refused (`service.discard_upload`: only files in the app's short-lived files
+folder, memory/scratch.py). Reading into the cache can be stopped
 with `service.stop(session_id)`: what was computed is kept, the rest is computed with the
 next message.
 
@@ -84,6 +86,8 @@ def ingest(service, session_id: SessionId, paths: Sequence[str], progress: Progr
             report.warnings += list(document.warnings)
         except (DocumentError, ChatError) as error:
             report.errors.append((name, str(error)))
+        finally:  # read or refused, the uploaded file is not kept (its text is in the store)
+            service.discard_upload(path)
     if prefill and report.documents:
         report.resume = service.resume(session_id, progress=PrefillProgress(progress))
     progress(1.0, "Done")

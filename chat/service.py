@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
-from memory import CacheSize, MessageRecord, SegmentSpec, Store
+from memory import CacheSize, DocumentRecord, MessageRecord, Scratch, SegmentSpec, Store
 from memory.config import StoreConfig
 from segmenter import Document
 from spotlight import ReadMeter
@@ -73,6 +75,7 @@ class ChatService:
         self._flags = CancelFlags()
         self._pool = ContextPool(keep_contexts)
         self._documents: dict[str, AttachedDocument] = {}  # document id -> text and segments; immutable
+        self.scratch = Scratch(config.scratch_dir)  # uploads while read, exports for download
 
     # ------------------------------------------------------------------ resources
 
@@ -170,6 +173,28 @@ class ChatService:
                 self._store = None
                 self._runner = None
 
+    def clear_scratch(self) -> None:
+        """Empty the short-lived files folder (`config.scratch_dir`: uploads, exports) at app
+        start. The store opens first, so a second app on the same data directory is refused
+        (`StorageUnavailable`) before it deletes anything of the first one's."""
+        self.store
+        self.scratch.clear()
+
+    def discard_upload(self, path: str | Path) -> None:
+        """Delete an uploaded file once it has been read or refused (its text is in the store);
+        a file outside the short-lived files folder is left alone."""
+        self.scratch.discard(path)
+
+    def saved_settings(self) -> dict:
+        """The settings saved by `save_settings` (name -> JSON value; {} before any)."""
+        with translated():
+            return self.store.settings.get()
+
+    def save_settings(self, values: dict) -> None:
+        """Keep `values` (name -> JSON value) for the next start."""
+        with translated():
+            self.store.settings.put(values)
+
     # ------------------------------------------------------------------ sessions
 
     def create(self, title: str = DEFAULT_TITLE, system_prompt: str | None = None) -> SessionInfo:
@@ -200,10 +225,11 @@ class ChatService:
             return _session_info(self.store.transcript.update_session(session_id, title=capped_title(title)))
 
     def delete(self, session_id: SessionId) -> None:
-        """Delete the conversation, its messages, documents only it uses, and its cache."""
+        """Delete the conversation, its messages, documents only it uses, its cache and its exports."""
         with translated(session_id), self._flags.running(session_id):
             self.store.transcript.delete_session(session_id)
         self._pool.drop(session_id)
+        self.scratch.drop_exports(session_id)
 
     # ------------------------------------------------------------------ messages
 
@@ -248,8 +274,10 @@ class ChatService:
                 raise InvalidAction("there is no reply to regenerate yet; send a message first")
             user = records[-1]
             store_reply = self._sibling_of(old.id) if old else self._reply_to(session_id, user.id)
-            plan = ReplyPlan(session_id, self._conversation(session_id, records), [r.id for r in records],
-                             store_reply)
+            plan = self._summary_plan(session_id, user.id, store_reply) if user.metadata.get("summary") else None
+            if plan is None:  # a question, or a summary that no longer fits in one pass
+                plan = ReplyPlan(session_id, self._conversation(session_id, records), [r.id for r in records],
+                                 store_reply)
             yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
 
     def edit(self, session_id: SessionId, message_id: MessageId, text: str, *,
@@ -360,6 +388,17 @@ class ChatService:
         with translated(session_id):
             return export.to_markdown(self.store.transcript.export_session(session_id))
 
+    def export_file(self, session_id: SessionId, name: str) -> Path:
+        """The conversation exported to a short-lived file `name` (Markdown for a .md name, else
+        JSON) for one download: it replaces the conversation's earlier export and goes with the
+        conversation (memory/scratch.py)."""
+        text = self.export_markdown(session_id) if name.endswith(".md") else self.export_json(session_id)
+        return self.scratch.write_export(session_id, name, text)
+
+    def import_file(self, path: str | Path) -> SessionInfo:
+        """`import_json` of an uploaded file, which is then deleted (see `discard_upload`)."""
+        return self.import_json(self.scratch.take(path))
+
     def import_json(self, text: str | bytes) -> SessionInfo:
         """A new conversation from an `export_json` file (its cache is computed on first use)."""
         try:
@@ -392,36 +431,59 @@ class ChatService:
     # ------------------------------------------------------------------ summaries
 
     def summarize(self, session_id: SessionId, progress=None) -> Iterator[Turn]:
-        """Summarise the attached documents: one pass through `send` when the conversation,
-        the request and a full reply fit the window; otherwise map-reduce over segment
-        groups (chat/summarize.py), labelled as such, with one notice per part and
-        `progress(done, total, text)`. Both store the request and the answer."""
+        """Summarise the attached documents: a request of its own over the documents alone (the
+        conversation's earlier turns are not rendered, chat/summarize.py), up to
+        `config.summary_tokens` tokens long. One pass from the documents' cached prefix when the
+        documents, the request and at least `summarize.MIN_TOKENS` of summary fit the window;
+        otherwise map-reduce over segment groups, labelled as such, with one notice per part and
+        `progress(done, total, text)`. Both store the request (naming the documents) and the
+        summary at the end of the conversation."""
         from . import summarize as summary
 
         with translated(session_id):
             records = self._visible(session_id)
-            conversation = self._conversation(session_id, records).plus("user", summary.REQUEST)
-            documents = conversation.documents
+            documents = self._conversation(session_id, []).documents
         if not documents:
             raise InvalidAction("there is no document to summarize; attach one first")
-        prompt = self.runner.renderer.prompt(conversation)
-        if len(prompt) + self.config.sampling.max_new_tokens <= self.engine.max_context:
-            yield from self.send(session_id, summary.REQUEST)
-            return
+        text = summary.request([document.name for document in documents])
         with translated(session_id), self._flags.running(session_id) as cancel:
-            user = self.store.transcript.add_message(session_id, "user", summary.REQUEST,
-                                          parent_id=records[-1].id if records else None)
+            user = self.store.transcript.add_message(session_id, "user", text,
+                                                     parent_id=records[-1].id if records else None,
+                                                     metadata={"summary": [d.name for d in documents]})
+            if not records:
+                self._title_from(session_id, text)
             turn = Turn(session_id, user_message_id=user.id)
+            plan = self._summary_plan(session_id, user.id, self._reply_to(session_id, user.id))
+            if plan is not None:
+                yield from self.runner.reply(plan, turn, cancel)
+                return
             system = self.store.transcript.get_session(session_id).system_prompt
             meter = ReadMeter()
             with self._gate.hold(session_id):
-                yield from summary.map_reduce(self.engine, self.config.sampling, system, documents, turn,
-                                              cancel, progress, observers=[meter])
+                yield from summary.map_reduce(self.engine, self.config.sampling, system, documents, turn, cancel,
+                                              progress, observers=[meter], summary_tokens=self.config.summary_tokens)
             turn.read_share, turn.spotlight = meter.share(), not self.engine.decodes_densely
             stats = {**turn.stats(), "summary": "map-reduce"}
             turn.message_id = self.store.transcript.add_message(session_id, "assistant", turn.text, parent_id=user.id,
-                                                     metadata={"stats": stats}).id
+                                                                metadata={"stats": stats}).id
         yield turn
+
+    def _summary_plan(self, session_id: SessionId, request_id: MessageId, store_reply) -> ReplyPlan | None:
+        """The one-pass summary of the conversation's documents (None when it does not fit):
+        rendered without the conversation's turns, with the summary's own token budget."""
+        from . import summarize as summary
+
+        session = self.store.transcript.get_session(session_id)
+        conversation = summary.conversation(session.system_prompt, self._conversation(session_id, []).documents)
+        budget = min(self.config.summary_tokens,
+                     self.engine.max_context - len(self.runner.renderer.prompt(conversation)))
+        if budget < min(summary.MIN_TOKENS, self.config.summary_tokens):
+            return None
+
+        def store_summary(content: str, stats: dict) -> MessageRecord:
+            return store_reply(content, {**stats, "summary": "one pass"})
+        return ReplyPlan(session_id, conversation, [request_id], store_summary,
+                         sampling=replace(self.config.sampling, max_new_tokens=budget), prefix_only=True)
 
     # ------------------------------------------------------------------ helpers
 
@@ -441,12 +503,15 @@ class ChatService:
 
     def _conversation(self, session_id: SessionId, records: list[MessageRecord]) -> Conversation:
         session = self.store.transcript.get_session(session_id)
-        documents = tuple(self._document(d.id) for d in self.store.transcript.session_documents(session_id))
+        documents = tuple(self._document(d) for d in self.store.transcript.session_documents(session_id))
         return Conversation(session.system_prompt, documents, tuple((r.role, r.content) for r in records))
 
-    def _document(self, document_id: str) -> AttachedDocument:
-        """The document with its stored segments. A document stored without segments (before
-        they were stored at ingest, or imported) is cut now, once, and its segments stored."""
+    def _document(self, attached: DocumentRecord) -> AttachedDocument:
+        """The attached document with its stored segments, under the name it was attached with
+        (the content is shared by every attachment of the same text). A document stored without
+        segments (before they were stored at ingest, or imported) is cut now, once, and its
+        segments stored."""
+        document_id = attached.id
         if document_id not in self._documents:
             record, text = self.store.transcript.get_document(document_id), self.store.transcript.document_text(document_id)
             rows = self.store.transcript.segments(document_id)
@@ -458,7 +523,7 @@ class ChatService:
             segments = tuple(DocumentSegment(r.ordinal, r.char_start, r.char_end, r.page, r.heading, r.n_tokens, r.id)
                              for r in rows)
             self._documents[document_id] = AttachedDocument(document_id, record.name, text, segments)
-        return self._documents[document_id]
+        return replace(self._documents[document_id], name=attached.name)
 
     def _check_fits(self, conversation: Conversation) -> None:
         try:

@@ -48,6 +48,10 @@ class ReplyPlan:
     store_reply: StoreReply
     sources: bool = True  # tally the reply's attention over attached documents (chat/sources.py)
     sampling: SamplingConfig | None = None  # None: the runner's (the configured) sampling
+    # A request over the documents alone (a summary: chat/summarize.py): it runs on a Context of its
+    # own restored from the prefix's spans (the conversation's warm Context is kept), and its
+    # messages get no spans: they are computed where they stand when the conversation continues.
+    prefix_only: bool = False
 
 
 class TurnRunner:
@@ -79,7 +83,7 @@ class TurnRunner:
         with self.gate.hold(plan.session_id):
             # the decode loop stops at the model's window, so no room beyond it is needed up front
             capacity = min(len(prompt) + sampling.max_new_tokens + _END_OF_TURN_ROOM, self.engine.max_context)
-            context, restored = self._prepare(plan.session_id, prompt, cancel, capacity)
+            context, restored = self._prepare(plan.session_id, prompt, cancel, capacity, pooled=not plan.prefix_only)
             _report_restore(turn, restored)
             context.reserve(capacity)
             tracker = SourceTracker.for_rendering(plan.conversation, prompt) if plan.sources else None
@@ -99,7 +103,8 @@ class TurnRunner:
             turn.read_share, turn.spotlight = meter.share(), not self.engine.decodes_densely
             if tracker is not None and turn.text:
                 turn.sources = tracker.sources() or None
-            full, pending = self._commit(plan, turn, context, cancel)
+            full, pending = (self._commit_aside(plan, turn, context, prompt) if plan.prefix_only
+                             else self._commit(plan, turn, context, cancel))
         turn.notices += self.sync.write(plan.session_id, full, pending)
         if not closed:  # a closed generator must not yield again
             yield turn
@@ -116,6 +121,14 @@ class TurnRunner:
         full, pending, _ = self._settle(plan.session_id, context, conversation, message_ids,
                                         cancel=None if turn.text else cancel)
         return full, pending
+
+    def _commit_aside(self, plan: ReplyPlan, turn: Turn, context: Context, prompt: Rendering) -> tuple[Rendering, list]:
+        """Store a prefix-only request's reply; copy out only the prefix spans not stored yet."""
+        if turn.text:
+            turn.message_id = plan.store_reply(turn.text, turn.stats()).id
+        parts = [part for part in self.sync.plan(plan.session_id, prompt, [], prefix_only=True)
+                 if part.end <= len(context.tokens)]
+        return prompt, self.sync.snapshot(context, parts)
 
     # ------------------------------------------------------------------ resume
 
@@ -146,9 +159,12 @@ class TurnRunner:
     # ------------------------------------------------------------------ steps
 
     def _prepare(self, session_id: SessionId, rendering: Rendering, cancel,
-                 capacity: int = 0) -> tuple[Context, Restored | None]:
+                 capacity: int = 0, *, pooled: bool = True) -> tuple[Context, Restored | None]:
         """The conversation's Context: warm from the pool (restored None), else restored from
-        disk (with room for `capacity` tokens, so the reply does not grow and copy the cache)."""
+        disk (with room for `capacity` tokens, so the reply does not grow and copy the cache).
+        Not `pooled`: a Context of its own restored from the prefix's spans, the pool untouched."""
+        if not pooled:
+            return self.sync.restore(session_id, rendering, cancel=cancel, capacity=capacity, prefix_only=True)
         context = self.pool.get(session_id)
         if context is not None:
             return context, None

@@ -14,7 +14,7 @@ import html
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from .config import AppConfig
 from spotlight.config import EngineConfig, SamplingConfig, SpotlightConfig
@@ -454,6 +454,24 @@ def apply_settings(config: AppConfig, form: SettingsForm) -> tuple[AppConfig, li
     if sampling != config.sampling:
         notes.append("**Sampling changed:** applies from the next reply; cached context is kept.")
     return new, notes
+
+
+def settings_values(form: SettingsForm) -> dict:
+    """The form as the values the store keeps (field name -> value), to apply at the next start."""
+    return asdict(form)
+
+
+def saved_config(config: AppConfig, saved: dict) -> AppConfig:
+    """`config` with the saved settings (`settings_values`) applied over it: fields it does not
+    name keep `config`'s values, unknown names are ignored, and values that no longer make a
+    valid config leave `config` as it is."""
+    fields = {name: saved[name] for name in SettingsForm.__dataclass_fields__ if name in saved}
+    if not fields:
+        return config
+    try:
+        return apply_settings(config, replace(settings_form(config), **fields))[0]
+    except (ValueError, TypeError):
+        return config
 
 
 def settings_note(notes: list[str]) -> str:

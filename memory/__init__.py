@@ -4,7 +4,9 @@
 files: it composes `Connections` (memory/connections.py), `store.transcript` (a
 `Transcript`, memory/transcript.py) and `store.spans` (a `SpanIndex`, memory/spans.py).
 `records` holds ids, `SpanKey` and the row records; `blobs` owns the span file format;
-`errors` holds the named failures. `python -m memory verify [PATH]` checks a store.
+`errors` holds the named failures; `Scratch` (memory/scratch.py) the short-lived files (uploads
+while they are read, exports for download) and `store.settings` the app's saved settings.
+`python -m memory verify [PATH]` checks a store.
 Importing this package does not import torch.
 """
 
@@ -46,6 +48,8 @@ from memory.records import (
     SpanKey,
     SpanRecord,
 )
+from memory.scratch import Scratch
+from memory.settings import SavedSettings
 from memory.spans import SpanIndex
 from memory.store import ACTIVE_LEAF, SCHEMA_VERSION, Store, verify
 from memory.transcript import Transcript
@@ -66,6 +70,8 @@ __all__ = [
     "PrefixHash",
     "PrefixNotFound",
     "PrefixRecord",
+    "SavedSettings",
+    "Scratch",
     "SchemaTooNew",
     "SegmentId",
     "SegmentRecord",

@@ -23,7 +23,8 @@ JSON columns hold objects):
                       n_tokens, metadata JSON, created
     segments          id (integer), document_id, ordinal, char_start, char_end, page,
                       heading, n_tokens
-    session_documents session_id, document_id, ordinal, added
+    session_documents session_id, document_id, ordinal, added, name (m004: the file name
+                      the document has in that session; its content is shared)
     prefixes          hash (sha256 of token ids + fingerprints), model_fp, encoder_fp,
                       prefix_digest (m003), n_tokens, complete, created
     session_prefixes  session_id, prefix_hash, linked: which sessions use a cached prefix
@@ -33,6 +34,7 @@ JSON columns hold objects):
                       dtype, n_tokens, start_pos, tokens_sha256, bytes, checksum, created,
                       last_used. A span's key (`records.SpanKey`) is model_fp + encoder_fp
                       ("" for dense) + prefix_digest ("" when its K/V depend on no prefix).
+    settings          key, value JSON, updated (m004): the app's saved settings
 """
 
 from __future__ import annotations
@@ -202,4 +204,15 @@ def m003_span_key_columns(db) -> None:
     )
 
 
-MIGRATIONS = [m001_core_tables, m002_full_text_search, m003_span_key_columns]
+def m004_attachment_names_and_settings(db) -> None:
+    """Each attachment (session x document) gets its own file name, first the document's; and a
+    key-value table of the app's settings, so that they survive a restart."""
+    db["session_documents"].add_column("name", str, not_null_default="")
+    db.execute(
+        "UPDATE session_documents SET name = "
+        "(SELECT documents.name FROM documents WHERE documents.id = session_documents.document_id)"
+    )
+    db["settings"].create({"key": str, "value": str, "updated": float}, pk="key", not_null={"value", "updated"})
+
+
+MIGRATIONS = [m001_core_tables, m002_full_text_search, m003_span_key_columns, m004_attachment_names_and_settings]

@@ -11,6 +11,7 @@ Layout. `Store` composes:
     branches, documents, segments, export/import, search.
   - `store.spans`, a `SpanIndex` (memory/spans.py): span files, prefixes, pins, the disk
     budget and LRU eviction, cache sizes.
+  - `store.settings`, `SavedSettings` (memory/settings.py): the app's settings by key.
 The parts share row helpers through memory/rows.py only, and records through
 memory/records.py. This module opens and closes them, removes crash leftovers and
 holds `verify`.
@@ -40,6 +41,7 @@ from memory import blobs
 from memory.config import StoreConfig
 from memory.connections import KVSTORE, SCHEMA_VERSION, Connections
 from memory.errors import StoreError
+from memory.settings import SavedSettings
 from memory.spans import SpanIndex
 from memory.transcript import ACTIVE_LEAF, Transcript
 
@@ -49,7 +51,8 @@ __all__ = ["ACTIVE_LEAF", "KVSTORE", "SCHEMA_VERSION", "Store", "verify"]
 class Store:
     """Sessions, messages, documents and cached KV spans under one data directory.
 
-    `store.transcript` holds the conversation data, `store.spans` the KV cache. Opening
+    `store.transcript` holds the conversation data, `store.spans` the KV cache,
+    `store.settings` the app's saved settings. Opening
     creates `config.root` if needed, takes the directory lock (`StoreLocked`), refuses
     newer schemas (`SchemaTooNew`) and unreadable databases (`StoreCorrupt`), applies
     pending migrations, removes crash leftovers (counts in `self.recovered`) and evicts
@@ -63,6 +66,7 @@ class Store:
         self.connections = Connections(config, clock=clock)
         self.transcript = Transcript(self.connections)
         self.spans = SpanIndex(self.connections)
+        self.settings = SavedSettings(self.connections)
         try:
             self.recovered = self._remove_leftovers()
             self.spans.evict_to_budget()

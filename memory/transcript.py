@@ -30,6 +30,12 @@ ROLES = ("system", "user", "assistant", "tool")
 EXPORT_FORMAT = "spotlight-chat/session"
 EXPORT_VERSION = 1
 _MAX_SEARCH_WORDS = 16
+# A session's documents in attachment order, each named as attached there (the content is shared).
+_ATTACHED = (
+    "SELECT documents.id, COALESCE(NULLIF(session_documents.name, ''), documents.name) AS name, "
+    "sha256, text, n_chars, pages, n_tokens, metadata, created "
+    "FROM session_documents JOIN documents ON documents.id = document_id WHERE session_id = ? ORDER BY ordinal"
+)
 
 
 class _ActiveLeaf:
@@ -265,7 +271,10 @@ class Transcript:
         """Store a document snapshot with its segments; attach it to `session_id` if given.
 
         Content-addressed: the same text (sha256) returns the existing document (its
-        stored segments are kept; `segments` only fill a document that has none).
+        stored segments are kept; `segments` only fill a document that has none). The name
+        belongs to the attachment: attached to `session_id`, the record returned carries
+        `name`, whatever the shared content was first stored as; the same text attached
+        again to the same session is that attachment, renamed.
         """
         specs = [spec if isinstance(spec, SegmentSpec) else SegmentSpec(**spec) for spec in segments]
         _check_segments(specs, len(text))
@@ -296,17 +305,18 @@ class Transcript:
                     for ordinal, spec in enumerate(specs)
                 )
             if session_id is not None:
-                self._attach(db, session_id, row["id"])
+                self._attach(db, session_id, row["id"], name)
+                return DocumentRecord.from_row({**row, "name": name})
             return DocumentRecord.from_row(row)
 
-    def _attach(self, db, session_id, document_id) -> None:
+    def _attach(self, db, session_id, document_id, name: str) -> None:
         ordinal = db.execute(
             "SELECT COUNT(*) FROM session_documents WHERE session_id = ?", [session_id]
         ).fetchone()[0]
         db.execute(
-            "INSERT OR IGNORE INTO session_documents (session_id, document_id, ordinal, added) "
-            "VALUES (?, ?, ?, ?)",
-            [session_id, document_id, ordinal, self._connections.clock()],
+            "INSERT INTO session_documents (session_id, document_id, ordinal, added, name) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (session_id, document_id) DO UPDATE SET name = excluded.name",
+            [session_id, document_id, ordinal, self._connections.clock(), name],
         )
 
     def get_document(self, document_id: DocumentId) -> DocumentRecord:
@@ -327,17 +337,11 @@ class Transcript:
             ]
 
     def session_documents(self, session_id: SessionId) -> list[DocumentRecord]:
-        """Documents attached to the session, in attachment order."""
+        """Documents attached to the session, in attachment order, each under the name it
+        was attached with."""
         with self._connections.read() as db:
             rows.session_row(db, session_id)
-            return [
-                DocumentRecord.from_row(row)
-                for row in db.query(
-                    "SELECT documents.* FROM session_documents JOIN documents ON documents.id = document_id "
-                    "WHERE session_id = ? ORDER BY ordinal",
-                    [session_id],
-                )
-            ]
+            return [DocumentRecord.from_row(row) for row in db.query(_ATTACHED, [session_id])]
 
     # ------------------------------------------------------------------ export / import
 
@@ -351,14 +355,7 @@ class Transcript:
                 MessageRecord.from_row(row)
                 for row in db["messages"].rows_where("session_id = ?", [session_id], order_by="rowid")
             ]
-            documents = [
-                dict(row)
-                for row in db.query(
-                    "SELECT documents.* FROM session_documents JOIN documents ON documents.id = document_id "
-                    "WHERE session_id = ? ORDER BY ordinal",
-                    [session_id],
-                )
-            ]
+            documents = [dict(row) for row in db.query(_ATTACHED, [session_id])]
             for document in documents:
                 document["segments"] = [
                     {key: row[key] for key in ("char_start", "char_end", "page", "heading", "n_tokens")}
@@ -451,7 +448,7 @@ class Transcript:
                 {"document_id": row["id"], "ordinal": ordinal, **segment}
                 for ordinal, segment in enumerate(document["segments"])
             )
-        self._attach(db, session_id, row["id"])
+        self._attach(db, session_id, row["id"], document["name"])
 
 
 # ----------------------------------------------------------------------------- helpers

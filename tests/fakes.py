@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from spotlight.testing import SPECIAL_TOKENS, tiny_engine
@@ -32,9 +32,11 @@ class EchoEngine(Engine):
     """`Engine` whose decode steps emit a scripted reply (see the module docstring)."""
 
     delay: float = 0.0
+    requests: list = field(default_factory=list)  # (prompt ids, sampling) of every stream call, in order
 
     def stream(self, context, prompt_ids: list[int], sampling: SamplingConfig, *,
                cancel: threading.Event | None = None, progress=None, observers=()) -> Iterator[Step]:
+        self.requests.append((list(prompt_ids), sampling))
         stats = Stats()
         new_ids = sync_prompt(context, prompt_ids)
         stats.cached_tokens = len(prompt_ids) - len(new_ids)

@@ -47,7 +47,7 @@ def test_throttled_drops_intermediate_items_but_never_the_last():
 def ui_parts(tmp_path):
     """(components, handlers, events table) of a UI over the echo engine, built as build_ui builds it."""
     service = ChatService(AppConfig(home=tmp_path / "home", system_prompt="Be brief."), _engine=echo_engine())
-    handlers = Handlers(ServiceRef(service), tmp_path)
+    handlers = Handlers(ServiceRef(service))
     with gr.Blocks() as demo:
         components = app.layout(demo, service.config)
         table = app.events(components, handlers)
@@ -130,6 +130,24 @@ def test_settings_apply_swaps_the_service_in_its_holder(ui_parts):
     note = handlers.apply_settings(*dataclasses.astuple(replace(form, temperature=0.5)))
     assert note == "Settings applied.\n\n**Sampling changed:** applies from the next reply; cached context is kept."
     assert handlers.service is not before and handlers.service.config.sampling.temperature == 0.5
+    assert handlers.service.saved_settings() == ui.settings_values(replace(form, temperature=0.5))  # issue #19 item 9
+
+
+def test_saved_settings_apply_at_start_under_the_command_line():
+    """Issue #19 item 9: the defaults, then the saved Settings tab, then what the command line names."""
+    defaults = ui.settings_form(app.startup_config(app.parse_args([]), {}))
+    chosen = replace(defaults, max_new_tokens=700, temperature=0.4, spotlight_enabled=False, system_prompt="Hi.")
+    saved = ui.settings_values(chosen)
+    assert saved == {"model_path": "", "temperature": 0.4, "top_p": chosen.top_p, "max_new_tokens": 700,
+                     "repetition_penalty": chosen.repetition_penalty, "system_prompt": "Hi.",
+                     "spotlight_enabled": False, "spotlight_ratio": chosen.spotlight_ratio}
+    assert ui.settings_form(app.startup_config(app.parse_args([]), saved)) == chosen
+    overridden = app.startup_config(app.parse_args(["--max-new-tokens", "64", "--model", "/m.gguf"]), saved)
+    assert ui.settings_form(overridden) == replace(chosen, max_new_tokens=64, model_path="/m.gguf")
+    plain = app.startup_config(app.parse_args([]), {})
+    assert app.startup_config(app.parse_args([]), {"max_new_tokens": -5}) == plain  # no longer valid: ignored
+    assert app.startup_config(app.parse_args([]), {"a_setting_from_a_newer_version": 1}) == plain
+    assert app.startup_config(app.parse_args([]), {"max_new_tokens": 700}).sampling.max_new_tokens == 700
 
 
 # ----------------------------------------------------------------------------- display values

@@ -241,7 +241,7 @@ def test_summarize_needs_a_document_then_asks_for_a_summary(tab, tmp_path):
     assert status(refused) == "⚠ Attach a document first, then press Summarize."
     tab.predict([handle_file(write(tmp_path, "memo.txt", "Quarterly results were strong.\n"))], api_name="/upload")
     _, final = run(tab, api_name="/summarize")
-    assert texts(final[CHAT])[-1] == ("assistant", "Echo: Summarize the document.")
+    assert texts(final[CHAT])[-1] == ("assistant", 'Echo: Summarize the document "memo.txt".')
 
 
 # ----------------------------------------------------------------------------- bad input

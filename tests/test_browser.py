@@ -5,7 +5,9 @@ Issue: "The Gradio app: a long-document chat people enjoy, tested in a real brow
     Esc stops mid-answer, Ctrl+Shift+R regenerates, a broken file's message, dark mode,
     no request leaves the machine, and the render time of a 200-message conversation;
   - issue #19: remote images in messages and documents fetch nothing (inert text, and the CSP),
-    HTML in messages shows as its characters, the small display fixes and ?session=ID;
+    HTML in messages shows as its characters, the small display fixes and ?session=ID; uploads and
+    exports are refused by URL once used, a second file with the same text shows its own name,
+    settings survive a restart;
   - the real model (SmolLM2) in a server subprocess: upload a PDF, ask about a fact on its
     last page, stop an answer, restart the server, find the conversation and continue it
     from the cache on disk (the status line says how many tokens were restored).
@@ -309,6 +311,115 @@ def test_nothing_is_fetched_from_other_hosts_and_html_shows_as_text(page, fake_a
         expect(page.locator("#title")).to_contain_text("New chat")
         assert remote.paths == []
     assert [text for text in csp_reports if remote.url not in text] == []  # the CSP blocked nothing of the app's
+
+
+def click_until(page, selectors: list[str], done, seconds: float = 20) -> None:
+    """Click `selectors` in turn until `done()`: a click that comes while the page is still
+    settling (its load event, a row just shown) can do nothing, so try again."""
+    deadline = time.monotonic() + seconds
+    while True:
+        for selector in selectors:
+            page.click(selector)
+        for _ in range(15):
+            if done():
+                return
+            page.wait_for_timeout(200)
+        assert time.monotonic() < deadline, f"clicking {selectors} did nothing"
+
+
+def served(page, url: str, path) -> int:
+    """The HTTP status Gradio's file route answers for a file path (as this tab, with its cookies)."""
+    return page.request.get(f"{url.rstrip('/')}/gradio_api/file={path}").status
+
+
+def test_uploads_and_exports_are_not_served_once_used(page, fake_app, tmp_path):
+    """Issue #19 item 4: uploads land in the data directory's short-lived folder and are gone once
+    read; an export is served until its conversation is deleted, then refused."""
+    url, service = fake_app
+    open_app(page, url)
+    click_until(page, ["#new-btn"], lambda: "New chat" in page.locator("#title").inner_text())
+    notes = tmp_path / "vault-notes.md"
+    notes.write_text("# Vault\n\nThe vault opens at noon. " * 20)
+    with page.expect_response(lambda response: "/gradio_api/upload" in response.url) as uploaded:
+        attach(page, notes)
+    paths = uploaded.value.json()
+    assert [Path(path).is_relative_to(service.scratch.gradio_dir) for path in paths] == [True]
+    expect(page.locator("#chips")).to_contain_text(re.compile(r"vault-notes\.md · [\d,]+ tokens"))  # read
+    assert [served(page, url, path) for path in paths] == [403]
+    # no upload's bytes left on disk (Gradio's form parser leaves an empty temporary file per browser
+    # upload; the folder is emptied at the next start)
+    assert [p.stat().st_size for p in service.scratch.gradio_dir.rglob("*") if p.is_file()
+            and not p.is_relative_to(service.scratch.exports_dir) and p.stat().st_size] == []
+
+    page.locator("#manage").get_by_text("Rename, delete, export").click()
+    page.click("#export-md-btn")
+    link = page.locator("#export-file a[download]").first
+    expect(link).to_be_attached()
+    export = re.search(r"/gradio_api/file=([^?]+)", link.get_attribute("href")).group(1)
+    assert Path(urllib.request.unquote(export)).is_relative_to(service.scratch.exports_dir)
+    assert served(page, url, export) == 200
+    session_id = re.search(r"session=(\w+)", page.url).group(1)
+    click_until(page, ["#delete-btn", "#confirm-delete-btn"],
+                lambda: session_id not in [s.id for s in service.list_sessions()])
+    expect(page.locator("#chips")).not_to_contain_text("vault-notes.md")
+    assert served(page, url, export) == 403
+
+
+def test_the_same_text_attached_under_another_name_shows_that_name(page, fake_app, tmp_path):
+    """Issue #19 item 10: a second file with the first one's text is shown under its own name."""
+    url, service = fake_app
+    text = "Only the owner may open the vault. " * 30
+    (tmp_path / "owner_only.txt").write_text(text)
+    (tmp_path / "good.txt").write_text(text)
+    open_app(page, url)
+    for name in ("owner_only.txt", "good.txt"):
+        click_until(page, ["#new-btn"], lambda: "New chat" in page.locator("#title").inner_text())
+        attach(page, tmp_path / name)
+        expect(page.locator("#chips")).to_contain_text(re.compile(re.escape(name) + r" · [\d,]+ tokens"))
+    expect(page.locator("#chips")).not_to_contain_text("owner_only.txt")
+    ask(page, "Who may open the vault?")
+    expect(last_reply(page)).to_have_text("Echo: Who may open the vault?")
+    expect(page.locator("#chips")).to_contain_text("good.txt")
+    expect(page.locator("#chat")).not_to_contain_text("owner_only.txt")  # nor in the sources under the answer
+
+
+def test_settings_are_kept_across_a_restart(page, tmp_path):
+    """Issue #19 item 9: a reply length applied in Settings is still there after the app restarts."""
+    import app
+    from chat import ui_model as ui
+    from chat.config import AppConfig
+    from chat.service import ChatService
+    from fakes import echo_engine
+
+    engine, gradio_dir = echo_engine(), os.environ.get("GRADIO_TEMP_DIR")
+    reply_length = page.get_by_label("number input for Max reply tokens")
+    try:
+        first = app.ServiceRef(ChatService(AppConfig(home=tmp_path / "home"), _engine=engine))
+        demo = app.serve(first.get(), port=free_port(), prevent_thread_lock=True, quiet=True, holder=first)
+        open_app(page, demo.local_url)
+        page.get_by_role("tab", name="Settings").click()
+        expect(reply_length).to_have_value("256")
+        reply_length.fill("700")
+        reply_length.press("Tab")
+        page.click("#apply-btn")
+        expect(page.locator("#settings-note")).to_contain_text("Sampling changed")
+        demo.close()
+        first.get().close()  # the service Apply swapped in
+
+        second = ChatService(AppConfig(home=tmp_path / "home"), _engine=engine)  # as app.main starts
+        second = app.with_saved_settings(second, ui.saved_config(second.config, second.saved_settings()))
+        demo = app.serve(second, port=free_port(), prevent_thread_lock=True, quiet=True)
+        open_app(page, demo.local_url)
+        page.get_by_role("tab", name="Settings").click()
+        expect(reply_length).to_have_value("700")
+        assert second.config.sampling.max_new_tokens == 700
+        demo.close()
+        second.close()
+    finally:  # the module's other app keeps its own temporary folder
+        if gradio_dir is None:
+            os.environ.pop("GRADIO_TEMP_DIR", None)
+        else:
+            os.environ["GRADIO_TEMP_DIR"] = gradio_dir
 
 
 # ----------------------------------------------------------------------------- the real model

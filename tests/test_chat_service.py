@@ -492,3 +492,82 @@ def replace_engine_config(engine, **changes):
     from dataclasses import replace
 
     return replace(engine, config=replace(engine.config, **changes))
+
+
+# ----------------------------------------------------------------------------- issue #19: files, names, settings
+
+
+def test_uploads_are_deleted_once_read_or_refused(service, tmp_path):
+    """Item 4: the upload folder (Gradio's, under the data directory) is empty after reading;
+    a file the caller owns elsewhere is read and kept."""
+    from chat.documents import ingest
+
+    service.clear_scratch()
+    arrived = service.scratch.gradio_dir / "3f2a" / "notes.txt"  # as Gradio stores an upload: a folder of its own
+    refused = service.scratch.gradio_dir / "9c1b" / "budget.xlsx"
+    for path, data in ((arrived, b"The ferry leaves at 7:40. " * 20), (refused, b"PK\x03\x04 not a document")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    mine = tmp_path / "mine.txt"
+    mine.write_text("Mine to keep. " * 10)
+    session = service.create()
+    report = ingest(service, session.id, [str(arrived), str(refused), str(mine)], prefill=False)
+    assert ([d.name for d in report.documents], [name for name, _ in report.errors]) == (
+        ["notes.txt", "mine.txt"], ["budget.xlsx"])
+    assert sorted(service.scratch.root.rglob("*")) == [service.scratch.gradio_dir]
+    assert mine.read_text() == "Mine to keep. " * 10
+    assert service.config.scratch_dir == tmp_path / "tmp"  # inside SPOTLIGHT_HOME, not the system temp dir
+
+
+def test_exports_are_short_lived_and_go_with_their_conversation(service):
+    """Item 4: one file per export request, replaced by the next, deleted with the conversation."""
+    session, other = service.create("Trip"), service.create("Other")
+    finish(service.send(session.id, "Hello"))
+    first = service.export_file(session.id, "Trip.md")
+    assert (first.read_text(), first.is_relative_to(service.scratch.gradio_dir)) == (
+        service.export_markdown(session.id), True)
+    second = service.export_file(session.id, "Trip.json")
+    assert (first.exists(), json.loads(second.read_text())) == (False, json.loads(service.export_json(session.id)))
+    kept = service.export_file(other.id, "Other.md")
+    service.delete(session.id)
+    assert (second.exists(), kept.exists()) == (False, True)
+
+
+def test_an_imported_upload_is_deleted_after_reading(service):
+    session = service.create("Trip")
+    finish(service.send(session.id, "Hello"))
+    uploaded = service.scratch.gradio_dir / "77aa" / "Trip.json"
+    uploaded.parent.mkdir(parents=True)
+    uploaded.write_text(service.export_json(session.id))
+    imported = service.import_file(uploaded)
+    assert ([m.content for m in service.history(imported.id)], uploaded.exists()) == (
+        [m.content for m in service.history(session.id)], False)
+
+
+def test_identical_text_attached_under_two_names_shows_each_name(service):
+    """Item 10: the content is shared, the name is the attachment's, in chips, renderings (so
+    sources) and exports."""
+    text = "Only the owner may open the vault. " * 4
+    owner, good = service.create(), service.create()
+    service.attach_text(owner.id, "owner_only.pdf", text)
+    attached = service.attach_text(good.id, "good.pdf", text)
+    assert attached.name == "good.pdf"
+    assert ([d.name for d in service.documents(owner.id)], [d.name for d in service.documents(good.id)]) == (
+        ["owner_only.pdf"], ["good.pdf"])
+    assert service.documents(owner.id)[0].id == attached.id  # one stored copy
+    conversation = service._conversation(good.id, [])
+    assert [d.name for d in conversation.documents] == ["good.pdf"]
+    assert conversation.system.startswith('Be brief.\n\n<document name="good.pdf">\n')
+    assert "- good.pdf (" in service.export_markdown(good.id)
+    assert [d.name for d in service._conversation(owner.id, []).documents] == ["owner_only.pdf"]
+
+
+def test_settings_saved_by_one_service_are_read_after_a_restart(config, tiny):
+    """Item 9: through the store, so a restarted app reads them."""
+    first = ChatService(config, _engine=tiny)
+    assert first.saved_settings() == {}
+    first.save_settings({"max_new_tokens": 700, "spotlight_enabled": False})
+    first.close()
+    second = ChatService(config, _engine=tiny)
+    assert second.saved_settings() == {"max_new_tokens": 700, "spotlight_enabled": False}
+    second.close()

@@ -97,8 +97,9 @@ def test_migrations_apply_in_order_and_are_recorded(store, config):
         ("kvstore", "m001_core_tables"),
         ("kvstore", "m002_full_text_search"),
         ("kvstore", "m003_span_key_columns"),
+        ("kvstore", "m004_attachment_names_and_settings"),
     ]
-    assert conn.execute("PRAGMA user_version").fetchone() == (3,)
+    assert conn.execute("PRAGMA user_version").fetchone() == (4,)
     assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -125,6 +126,7 @@ def test_pending_migration_runs_on_open_and_indexes_old_rows(config, clock):
         ("m001_core_tables",),
         ("m002_full_text_search",),
         ("m003_span_key_columns",),
+        ("m004_attachment_names_and_settings",),
     ]
 
 
@@ -139,14 +141,14 @@ def test_newer_schema_is_refused_and_left_untouched(config, clock, future):
     if future == "migration":
         conn.execute(
             "INSERT INTO _sqlite_migrations (migration_set, name, applied_at) "
-            "VALUES ('kvstore', 'm004_from_the_future', 'later')"
+            "VALUES ('kvstore', 'm005_from_the_future', 'later')"
         )
-    conn.execute("PRAGMA user_version = 4")
+    conn.execute("PRAGMA user_version = 5")
     conn.commit()
     conn.close()
     (config.spans_dir / ".leftover.safetensors.tmp").write_bytes(b"partial")
     before = _snapshot(config.root)
-    with pytest.raises(SchemaTooNew, match="has schema version 4 .* knows only 3; upgrade Spotlight Chat"):
+    with pytest.raises(SchemaTooNew, match="has schema version 5 .* knows only 4; upgrade Spotlight Chat"):
         Store(config, clock=clock)
     assert _snapshot(config.root) == before
 
@@ -347,10 +349,55 @@ def test_documents_and_segments(store):
     ]
     other = store.transcript.create_session("Again")
     again = store.transcript.add_document("copy.md", text, session_id=other.id)  # same content: same document
-    assert again == document
-    assert store.transcript.session_documents(other.id) == [document]
+    assert again == replace(document, name="copy.md")  # issue #19 item 10: the name is the attachment's
+    assert store.transcript.session_documents(other.id) == [again]
+    assert store.transcript.session_documents(session.id) == [document]
     with pytest.raises(ValueError, match="segments must be in order"):
         store.transcript.add_document("bad.txt", "abc", segments=[SegmentSpec(0, 5)])
+
+
+def test_identical_text_keeps_each_attachments_name_in_listings_and_exports(store):
+    """Issue #19 item 10: content is shared, names belong to each attachment (session x document)."""
+    text = "Only the owner may open the vault."
+    first, second = store.transcript.create_session("First"), store.transcript.create_session("Second")
+    owner = store.transcript.add_document("owner_only.pdf", text, session_id=first.id)
+    good = store.transcript.add_document("good.pdf", text, session_id=second.id)
+    assert good.id == owner.id  # one stored copy of the text
+    assert [d.name for d in store.transcript.session_documents(first.id)] == ["owner_only.pdf"]
+    assert [d.name for d in store.transcript.session_documents(second.id)] == ["good.pdf"]
+    assert [d["name"] for d in store.transcript.export_session(second.id)["documents"]] == ["good.pdf"]
+    renamed = store.transcript.add_document("renamed.pdf", text, session_id=second.id)  # the same text again
+    assert renamed == replace(good, name="renamed.pdf")
+    assert [d.name for d in store.transcript.session_documents(second.id)] == ["renamed.pdf"]
+    imported = store.transcript.import_session(store.transcript.export_session(first.id))
+    assert [d.name for d in store.transcript.session_documents(imported)] == ["owner_only.pdf"]
+
+
+def test_store_from_before_m004_names_each_attachment_as_its_document(config, clock):
+    config.root.mkdir()
+    db = sqlite_utils.Database(config.db_path)
+    KVSTORE.apply(db, stop_before="m004_attachment_names_and_settings")
+    db["sessions"].insert({"id": "s", "title": "Old", "created": 1.0, "updated": 1.0, "system_prompt": "",
+                           "settings": "{}", "active_leaf_id": None})
+    db["documents"].insert({"id": "d", "name": "old.txt", "sha256": "x", "text": "t", "n_chars": 1, "pages": None,
+                            "n_tokens": None, "metadata": "{}", "created": 1.0})
+    db["session_documents"].insert({"session_id": "s", "document_id": "d", "ordinal": 0, "added": 1.0})
+    db.execute("PRAGMA user_version = 3")
+    db.close()
+    with Store(config, clock=clock) as store:
+        assert [d.name for d in store.transcript.session_documents("s")] == ["old.txt"]
+        assert store.settings.get() == {}
+
+
+def test_settings_round_trip_through_a_reopened_store(config, clock):
+    """Issue #19 item 9: saved settings survive closing and reopening the store."""
+    with Store(config, clock=clock) as store:
+        assert store.settings.get() == {}
+        store.settings.put({"max_new_tokens": 700, "temperature": 0.3, "system_prompt": "Be kind."})
+        store.settings.put({"temperature": 0.5, "spotlight_enabled": False})  # other keys are kept
+    with Store(config, clock=clock) as store:
+        assert store.settings.get() == {"max_new_tokens": 700, "temperature": 0.5, "system_prompt": "Be kind.",
+                                        "spotlight_enabled": False}
 
 
 # ----------------------------------------------------------------------------- spans
