@@ -69,10 +69,13 @@ CSS = """
 .k-free { color: var(--background-fill-secondary); }
 .gauge-legend { font-size: 0.85em; margin-top: 2px; }
 .gauge-warn .gauge-legend { color: #dc2626; }
+.toast-wrap { top: auto !important; bottom: 150px; }  /* toasts above the message box, off Attach and Summarize */
 #turn-stats { font-size: 0.85em; color: var(--body-text-color-subdued); min-height: 1.5em; }
 """
 
-# Keyboard shortcuts and the remembered dark-mode choice (Enter sends: the textbox's submit).
+# Keyboard shortcuts, the remembered dark-mode choice (Enter sends: the textbox's submit), and a sidebar
+# that starts closed below NARROW_PX (Gradio's open sidebar takes the whole width of a phone).
+NARROW_PX = 700
 HEAD = """
 <script>
 (() => {
@@ -83,6 +86,9 @@ HEAD = """
       event.preventDefault(); click('regen-btn');
     }
   }, true);
+  window.spotlightFitSidebar = () => {  // a narrow screen opens on the chat: the open sidebar would cover it all
+    if (window.innerWidth < NARROW_PX) { document.querySelector('.sidebar.open .toggle-button')?.click(); }
+  };
   window.spotlightDarkLabel = () => {  // the button names the mode it switches to
     const button = document.querySelector('#dark-btn');
     const text = button && [...button.childNodes].find((n) => n.nodeType === Node.TEXT_NODE && n.nodeValue.trim());
@@ -95,13 +101,14 @@ HEAD = """
   }
 })();
 </script>
-"""
+""".replace("NARROW_PX", str(NARROW_PX))
 DARK_JS = """() => {
   const on = document.body.classList.toggle('dark');
   localStorage.setItem('spotlight-dark', on ? '1' : '0');
   window.spotlightDarkLabel?.();
 }"""
-DARK_LABEL_JS = "() => window.spotlightDarkLabel?.()"  # on load: the remembered (or system) mode is on by now
+# on load: the remembered (or system) mode is on by now, and the sidebar is rendered
+LOAD_JS = "() => { window.spotlightDarkLabel?.(); window.spotlightFitSidebar?.(); }"
 # The address names the open conversation (?session=ID, read by `open_initial`), so a reload keeps the place.
 ADDRESS_JS = """(session) => {
   if (!session) { return; }
@@ -459,6 +466,10 @@ class Handlers:
         """The conversation picked in the list."""
         return self.view(session_id)
 
+    def refresh(self, session_id: str | None) -> View:
+        """The open conversation again (after Settings -> Apply: the gauge's reply budget)."""
+        return self.view(session_id)
+
     def new_session(self) -> View:
         """A new, empty conversation, open."""
         return self.view(self.service.create().id)
@@ -701,8 +712,10 @@ def events(c: Components, h: Handlers) -> list[Event]:
         Event([c.stop_btn.click], h.stop, [c.session], [], {"queue": False, "api_name": "stop"}),
         Event([c.apply_btn.click], h.apply_settings, list(c.settings), [c.settings_note],
               {**ENGINE, "api_name": "apply_settings", "show_progress": "minimal"}),
+        # NOTE: queued after apply_settings in the same one-at-a-time queue, so it shows the new settings
+        Event([c.apply_btn.click], h.refresh, [c.session], view, {**ENGINE, **private}),
         Event([c.dark_btn.click], None, [], [], {"js": DARK_JS, **private}),
-        Event([c.demo.load], None, [], [], {"js": DARK_LABEL_JS, **private}),
+        Event([c.demo.load], None, [], [], {"js": LOAD_JS, **private}),
         Event([c.sessions.change], None, [c.sessions], [], {"js": ADDRESS_JS, **private}),
     ]
 

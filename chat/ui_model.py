@@ -38,7 +38,7 @@ READING = "reading the conversation…"  # the status line while a prompt is pre
 STALE_EDIT = "This conversation changed (another tab?); it was reloaded. Edit the message again."
 NOTHING_CHANGED = "Nothing changed."
 INTERRUPTED = "Reply interrupted — the app stopped before it finished"  # a question whose reply was never stored
-INTERRUPTED_HINT = "Press **Regenerate the reply** below to answer it."
+INTERRUPTED_HINT = "Press **Regenerate the reply** to answer it."
 _TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
 # Speeds over fewer tokens than these measure call overhead, not the model: not shown.
 SPEED_MIN_PREFILL = 64

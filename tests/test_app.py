@@ -77,7 +77,7 @@ def test_every_model_bound_event_shares_the_engine_queue(ui_parts):
     components, handlers, table = ui_parts
     engine_bound = {h.__name__ for _, h, _, _, options in table if options.get("concurrency_id") == "engine"}
     assert engine_bound == {"upload", "send", "summarize", "regenerate", "edit", "edit_in_chat", "undo",
-                            "older_version", "newer_version", "apply_settings"}
+                            "older_version", "newer_version", "apply_settings", "refresh"}
     assert all(options["concurrency_limit"] == 1 for *_, options in table if "concurrency_id" in options)
 
 
@@ -219,10 +219,10 @@ def test_an_interrupted_reply_and_a_full_window_are_shown_with_what_to_do(tmp_pa
     docs = [DocumentInfo("d1", "a.txt", 400, 100)]
     interrupted = ui.screen([info], info, history, docs, config, ui.ModelFacts(1000, False, len), interrupted=True)
     assert interrupted.messages == ui.chat_messages(history)[0] + [{
-        "role": "assistant", "content": "Press **Regenerate the reply** below to answer it.",
+        "role": "assistant", "content": "Press **Regenerate the reply** to answer it.",
         "metadata": {"title": "Reply interrupted — the app stopped before it finished", "status": "done"}}]
     assert (interrupted.status, interrupted.interrupted, interrupted.window_full) == (
-        "⚠ Reply interrupted — the app stopped before it finished. Press **Regenerate the reply** below to "
+        "⚠ Reply interrupted — the app stopped before it finished. Press **Regenerate the reply** to "
         "answer it.", True, False)
     full = ui.screen([info], info, history, [DocumentInfo("d1", "a.txt", 3000, 800)], config,
                      ui.ModelFacts(1000, False, len))
@@ -441,9 +441,10 @@ def test_a_search_without_a_match_says_so(ui_parts):
 def test_browser_side_events_label_dark_mode_and_keep_the_conversation_in_the_address(ui_parts):
     components, _, table = ui_parts
     scripts = {(tuple(t.__self__ for t in e.triggers), e.options["js"]) for e in table if "js" in e.options}
-    assert scripts == {((components.dark_btn,), app.DARK_JS), ((components.demo,), app.DARK_LABEL_JS),
+    assert scripts == {((components.dark_btn,), app.DARK_JS), ((components.demo,), app.LOAD_JS),
                        ((components.sessions,), app.ADDRESS_JS)}
     assert "spotlightDarkLabel" in app.DARK_JS and "window.spotlightDarkLabel = " in app.HEAD
+    assert "spotlightFitSidebar" in app.LOAD_JS and "window.innerWidth < 700" in app.HEAD
     assert "history.replaceState" in app.ADDRESS_JS and "'session'" in app.ADDRESS_JS
     assert "#versions-row:not(:has(#versions)) { display: none; }" in app.CSS
 
