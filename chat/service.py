@@ -291,10 +291,11 @@ class ChatService:
                                                        parent_id=records[-1].id if records else None)
             return self._chat_message(record)
 
-    def regenerate(self, session_id: SessionId, *, seen: int | None = None) -> Iterator[Turn]:
+    def regenerate(self, session_id: SessionId, *, sampling: SamplingConfig | None = None,
+                   seen: int | None = None) -> Iterator[Turn]:
         """A new reply to the last user message; the previous reply stays as a sibling branch.
         It is sampled (`regeneration_sampling`: a greedy rerun would repeat the reply word
-        for word) and its stats record the temperature and seed."""
+        for word; `sampling` overrides that) and its stats record the temperature and seed."""
         with translated(session_id), self._flags.running(session_id) as cancel:
             self.check_current(session_id, seen)
             records = self._visible(session_id)
@@ -303,7 +304,7 @@ class ChatService:
                 raise InvalidAction("there is no reply to regenerate yet; send a message first")
             user = records[-1]
             store_reply = self._sibling_of(old.id) if old else self._reply_to(session_id, user.id)
-            sampling = regeneration_sampling(self.config.sampling)
+            sampling = sampling or regeneration_sampling(self.config.sampling)
             plan = ReplyPlan(session_id, self._conversation(session_id, records), [r.id for r in records],
                              store_reply, sampling=sampling)
             turn = Turn(session_id, user_message_id=user.id, regenerated_at=sampling.temperature, seed=sampling.seed)

@@ -584,6 +584,8 @@ def test_regenerate_samples_a_different_reply_and_records_its_temperature(servic
     reply = service.history(session.id)[-1]
     assert (reply.branch, reply.branches, reply.stats["regenerated_at"]) == (1, 2, REGENERATE_TEMPERATURE)
     assert isinstance(reply.stats["seed"], int) and "regenerated_at" not in service.history(session.id)[0].stats
+    _, greedy_again = finish(service.regenerate(session.id, sampling=service.config.sampling))  # the override
+    assert (greedy_again.text, service.history(session.id)[-1].stats["regenerated_at"]) == (first.text, 0.0)
     greedy, sampled = SamplingConfig(max_new_tokens=6), SamplingConfig(temperature=1.2, top_p=0.5)
     regenerated = regeneration_sampling(greedy)
     assert regenerated == SamplingConfig(max_new_tokens=6, temperature=REGENERATE_TEMPERATURE, top_p=REGENERATE_TOP_P,
