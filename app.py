@@ -33,7 +33,7 @@ from chat import documents as uploads  # noqa: E402
 from chat import ui_model as ui  # noqa: E402
 from chat import web_guard  # noqa: E402
 from chat.api import ApiConfig  # noqa: E402
-from chat.errors import ChatError, ModelUnavailable, NotFoundError  # noqa: E402
+from chat.errors import ChatError, ConversationChanged, ModelUnavailable, NotFoundError  # noqa: E402
 from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
 from chat.config import WEIGHTS, AppConfig, EngineConfig  # noqa: E402
@@ -41,6 +41,7 @@ from chat.config import WEIGHTS, AppConfig, EngineConfig  # noqa: E402
 # Gradio's own sweep of its temporary folder (every 10 minutes, files older than an hour): a backstop
 # for what chat/ does not delete itself (uploads are deleted once read, exports at the next export)
 FILE_CLEANUP = (600, 3600)
+POLL_SECONDS = 2.0  # how often a tab asks whether its conversation changed elsewhere (one indexed read)
 STREAM_EVERY = 0.08  # seconds between UI updates while streaming (~12 Hz: long answers stay smooth)
 ENGINE = {"concurrency_id": "engine", "concurrency_limit": 1}  # one model, one queue for all its events
 STREAMING = {**ENGINE, "show_progress": "minimal"}  # plus show_progress_on the status line: no overlay
@@ -69,10 +70,13 @@ CSS = """
 .k-free { color: var(--background-fill-secondary); }
 .gauge-legend { font-size: 0.85em; margin-top: 2px; }
 .gauge-warn .gauge-legend { color: #dc2626; }
+.toast-wrap { top: auto !important; bottom: 150px; }  /* toasts above the message box, off Attach and Summarize */
 #turn-stats { font-size: 0.85em; color: var(--body-text-color-subdued); min-height: 1.5em; }
 """
 
-# Keyboard shortcuts and the remembered dark-mode choice (Enter sends: the textbox's submit).
+# Keyboard shortcuts, the remembered dark-mode choice (Enter sends: the textbox's submit), and a sidebar
+# that starts closed below NARROW_PX (Gradio's open sidebar takes the whole width of a phone).
+NARROW_PX = 700
 HEAD = """
 <script>
 (() => {
@@ -83,6 +87,9 @@ HEAD = """
       event.preventDefault(); click('regen-btn');
     }
   }, true);
+  window.spotlightFitSidebar = () => {  // a narrow screen opens on the chat: the open sidebar would cover it all
+    if (window.innerWidth < NARROW_PX) { document.querySelector('.sidebar.open .toggle-button')?.click(); }
+  };
   window.spotlightDarkLabel = () => {  // the button names the mode it switches to
     const button = document.querySelector('#dark-btn');
     const text = button && [...button.childNodes].find((n) => n.nodeType === Node.TEXT_NODE && n.nodeValue.trim());
@@ -95,13 +102,14 @@ HEAD = """
   }
 })();
 </script>
-"""
+""".replace("NARROW_PX", str(NARROW_PX))
 DARK_JS = """() => {
   const on = document.body.classList.toggle('dark');
   localStorage.setItem('spotlight-dark', on ? '1' : '0');
   window.spotlightDarkLabel?.();
 }"""
-DARK_LABEL_JS = "() => window.spotlightDarkLabel?.()"  # on load: the remembered (or system) mode is on by now
+# on load: the remembered (or system) mode is on by now, and the sidebar is rendered
+LOAD_JS = "() => { window.spotlightDarkLabel?.(); window.spotlightFitSidebar?.(); }"
 # The address names the open conversation (?session=ID, read by `open_initial`), so a reload keeps the place.
 ADDRESS_JS = """(session) => {
   if (!session) { return; }
@@ -172,6 +180,7 @@ class View(NamedTuple):
     as the component of `Components` it goes to (gr.skip() leaves that component as it is)."""
 
     session: str | None  # the open conversation (None: a new, empty one)
+    seen: int | None  # the version of it shown (ChatService.version); mutating events send it back
     sessions: gr.Radio
     title: str
     chat: list[dict]
@@ -179,6 +188,8 @@ class View(NamedTuple):
     gauge: str
     status: str  # turn numbers, or the last error
     versions: gr.Dropdown
+    resume_btn: gr.Button  # shown under a question whose reply was interrupted
+    continue_btn: gr.Button  # shown when the conversation filled the model's window
 
 
 class Reply(NamedTuple):
@@ -189,17 +200,24 @@ class Reply(NamedTuple):
     msg: str | dict
 
 
-def view_of(session_id: str | None, screen: ui.Screen) -> View:
-    """The outputs that show `screen`, with conversation `session_id` open."""
-    return View(session_id, gr.Radio(choices=screen.session_choices, value=session_id, info=screen.sessions_info),
+def view_of(session_id: str | None, screen: ui.Screen, seen: int | None = None) -> View:
+    """The outputs that show `screen`, with conversation `session_id` open at version `seen`."""
+    return View(session_id, seen,
+                gr.Radio(choices=screen.session_choices, value=session_id, info=screen.sessions_info),
                 screen.title, screen.messages, screen.chips, screen.gauge, screen.status,
-                gr.Dropdown(choices=screen.version_choices, value=screen.version, visible=bool(screen.version_choices)))
+                gr.Dropdown(choices=screen.version_choices, value=screen.version, visible=bool(screen.version_choices)),
+                gr.Button(visible=screen.interrupted), gr.Button(visible=screen.window_full))
 
 
 def live_view(session_id: str, chat: list[dict], status: str) -> View:
     """The outputs while a reply streams: the chat and the status line change, the rest stays."""
     skip = gr.skip()
-    return View(session_id, skip, skip, chat, skip, skip, status, skip)
+    return View(session_id, skip, skip, skip, chat, skip, skip, status, skip, gr.Button(visible=False), skip)
+
+
+def unchanged_view() -> View:
+    """Outputs that leave every component as it is."""
+    return View(*[gr.skip()] * len(View._fields))
 
 
 def gradio_values(result, n_outputs: int):
@@ -224,6 +242,8 @@ class Components:
 
     demo: gr.Blocks
     session: gr.State  # the open conversation's id, per browser tab
+    seen: gr.State  # the version of it the tab shows
+    timer: gr.Timer  # asks every POLL_SECONDS whether the conversation changed in another tab
     # the sidebar
     new_btn: gr.Button
     search: gr.Textbox
@@ -246,12 +266,14 @@ class Components:
     chips: gr.HTML
     gauge: gr.HTML
     chat: gr.Chatbot
+    resume_btn: gr.Button
     status: gr.Markdown
     msg: gr.Textbox
     send_btn: gr.Button
     stop_btn: gr.Button
     regen_btn: gr.Button
     undo_btn: gr.Button
+    continue_btn: gr.Button
     versions: gr.Dropdown
     older_btn: gr.Button
     newer_btn: gr.Button
@@ -276,7 +298,7 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
     """Create the sidebar, the Chat tab and the Settings tab inside `demo` (being built);
     the settings show `config`, the rest starts empty until the page's load event."""
     form = ui.settings_form(config)
-    session = gr.State(None)
+    session, seen, timer = gr.State(None), gr.State(None), gr.Timer(POLL_SECONDS)
     with gr.Sidebar(label="Conversations", width=300):
         new_btn = gr.Button("+ New chat", variant="primary", elem_id="new-btn")
         search = gr.Textbox(placeholder="Search conversations…", show_label=False, elem_id="search")
@@ -304,6 +326,8 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
         gauge = gr.HTML(ui.gauge_html(None), elem_id="gauge")
         chat = gr.Chatbot(elem_id="chat", editable="user", placeholder=ui.EMPTY_CHAT, height="52vh",
                           buttons=["copy"], show_label=False)
+        resume_btn = gr.Button("Regenerate the reply", variant="primary", size="sm", visible=False,
+                               elem_id="resume-btn")
         status = gr.Markdown("", elem_id="turn-stats")
         with gr.Row(equal_height=True):
             msg = gr.Textbox(placeholder="Ask about your document…", show_label=False, lines=1, max_lines=8,
@@ -313,6 +337,8 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
         with gr.Row():
             regen_btn = gr.Button("Regenerate", size="sm", elem_id="regen-btn")
             undo_btn = gr.Button("Undo", size="sm", elem_id="undo-btn")
+            continue_btn = gr.Button("Continue in a new chat (keeps the documents)", size="sm", visible=False,
+                                     elem_id="continue-btn")
         with gr.Row(equal_height=True, elem_id="versions-row"):
             versions = gr.Dropdown(choices=[], label="Versions (edits and regenerations are kept)",
                                    visible=False, scale=4, elem_id="versions")
@@ -338,18 +364,33 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
                                     "new cache: the note after applying says what is recomputed.",
                                     elem_id="settings-note")
     return Components(
-        demo=demo, session=session, new_btn=new_btn, search=search, sessions=sessions, rename_box=rename_box,
+        demo=demo, session=session, seen=seen, timer=timer, new_btn=new_btn, search=search, sessions=sessions, rename_box=rename_box,
         rename_btn=rename_btn, export_md_btn=export_md_btn, export_json_btn=export_json_btn,
         export_file=export_file, import_btn=import_btn, delete_btn=delete_btn, confirm_row=confirm_row,
         confirm_btn=confirm_btn, cancel_btn=cancel_btn, dark_btn=dark_btn,
         title=title, upload_btn=upload_btn, summarize_btn=summarize_btn, chips=chips, gauge=gauge, chat=chat,
-        status=status, msg=msg, send_btn=send_btn, stop_btn=stop_btn, regen_btn=regen_btn, undo_btn=undo_btn,
+        resume_btn=resume_btn, status=status, msg=msg, send_btn=send_btn, stop_btn=stop_btn, regen_btn=regen_btn,
+        undo_btn=undo_btn, continue_btn=continue_btn,
         versions=versions, older_btn=older_btn, newer_btn=newer_btn, edit_id=edit_id, edit_text=edit_text,
         edit_btn=edit_btn, settings=settings, apply_btn=apply_btn, settings_note=settings_note,
     )
 
 
 # ----------------------------------------------------------------------------- handlers
+
+
+def refreshing(handler):
+    """`handler` (a Handlers method whose first argument is the open conversation), except that
+    when the conversation changed since the tab showed it (`ConversationChanged`) the tab is
+    shown the conversation as it is now, with the warning, and its message box is left alone."""
+    @functools.wraps(handler)
+    def wrapper(self, session_id, *args, **kwargs):
+        try:
+            return handler(self, session_id, *args, **kwargs)
+        except ConversationChanged as error:
+            view = self.failed(session_id, error)
+            return Reply(view, gr.skip()) if inspect.signature(handler).return_annotation == "Reply" else view
+    return wrapper
 
 
 class Handlers:
@@ -369,13 +410,28 @@ class Handlers:
         """The list and the open conversation (None: a new, empty one; also for a conversation
         deleted in another tab). `near`: see `ui.screen`."""
         service = self.service
-        try:
+        try:  # the version first: a change made while the rest is read shows as newer, never as seen
+            seen = service.version(session_id) if session_id else None
             info, history, documents = ((service.get(session_id), service.history(session_id),
                                          service.documents(session_id)) if session_id else (None, [], []))
+            interrupted = bool(session_id) and service.reply_interrupted(session_id)
         except NotFoundError:  # deleted in another tab
             return self.view(None)
         return view_of(session_id, ui.screen(service.list_sessions(), info, history, documents, service.config,
-                                             model_facts(service), near))
+                                             model_facts(service), near, interrupted), seen)
+
+    def failed(self, session_id: str | None, error: ChatError) -> View:
+        """The conversation as stored now, with `error` toasted and in the status line; a
+        conversation that filled the window also offers to continue in a new chat."""
+        view = self.view(session_id)
+        offer = gr.Button(visible=True) if ui.offers_new_chat(error) else view.continue_btn
+        return view._replace(status=warn(error), continue_btn=offer)
+
+    def poll(self, session_id: str | None, seen: int | None) -> View:
+        """The conversation again when it changed since this tab showed it (another tab, the
+        API), else nothing (the timer's tick: one version read)."""
+        changed = session_id is not None and self.service.changed(session_id, seen)
+        return self.view(session_id) if changed else unchanged_view()
 
     def stream(self, session_id: str, plan, restore: str | None = None):
         """Replies while a turn runs, then the stored conversation. `plan(history)` gives (the
@@ -389,7 +445,7 @@ class Handlers:
             for turn in throttled(turns, STREAM_EVERY):
                 yield Reply(live_view(session_id, shown + [ui.assistant_message(turn.text)], ui.live_line(turn)), box)
         except ChatError as error:  # the view is reloaded: no half-shown message stays
-            yield Reply(self.view(session_id)._replace(status=warn(error)), gr.skip() if restore is None else restore)
+            yield Reply(self.failed(session_id, error), gr.skip() if restore is None else restore)
             return
         except GeneratorExit:  # Gradio closed the event: stop the engine too
             self.service.stop(session_id)
@@ -410,6 +466,10 @@ class Handlers:
         """The conversation picked in the list."""
         return self.view(session_id)
 
+    def refresh(self, session_id: str | None) -> View:
+        """The open conversation again (after Settings -> Apply: the gauge's reply budget)."""
+        return self.view(session_id)
+
     def new_session(self) -> View:
         """A new, empty conversation, open."""
         return self.view(self.service.create().id)
@@ -421,17 +481,19 @@ class Handlers:
                                            session_id)
         return gr.Radio(choices=choices, value=value, info=ui.search_info(query, choices))
 
-    def rename(self, session_id: str | None, title: str) -> View:
+    @refreshing
+    def rename(self, session_id: str | None, title: str, seen: int | None = None) -> View:
         """The open conversation, renamed."""
         if not session_id:
             raise ValueError("Open or start a conversation first, then rename it.")
-        self.service.rename(session_id, title)
+        self.service.rename(session_id, title, seen=seen)
         return self.view(session_id)
 
-    def delete(self, session_id: str | None) -> View:
+    @refreshing
+    def delete(self, session_id: str | None, seen: int | None = None) -> View:
         """Delete the open conversation; the latest other one opens."""
         if session_id:
-            self.service.delete(session_id)
+            self.service.delete(session_id, seen=seen)
         listed = self.service.list_sessions(limit=1)
         return self.view(listed[0].id if listed else None)
 
@@ -454,9 +516,13 @@ class Handlers:
         """A conversation exported as JSON, imported as a new one and opened (the upload is deleted)."""
         return self.view(self.service.import_file(path).id)
 
-    def upload(self, session_id: str | None, paths: list[str] | None, progress=gr.Progress()) -> View:
+    @refreshing
+    def upload(self, session_id: str | None, paths: list[str] | None, seen: int | None = None,
+               progress=gr.Progress()) -> View:
         """Attach the files (to a new conversation when none is open) and read them into the cache."""
         service = self.service
+        if session_id:
+            service.check_current(session_id, seen)
         created, session_id = not session_id, session_id or service.create().id
         report = uploads.ingest(service, session_id, paths or [], lambda f, text: progress(f, desc=text))
         if refusal := ui.upload_refusal(report):
@@ -468,13 +534,14 @@ class Handlers:
 
     # ------------------------------------------------------------------ turns
 
-    def send(self, session_id: str | None, text: str):
+    def send(self, session_id: str | None, text: str, seen: int | None = None):
         """Ask `text` in the open conversation (a new one when none is open); streams Replies."""
         session_id = session_id or self.service.create().id
         yield from self.stream(session_id, lambda history: (ui.chat_messages(history)[0] + [ui.user_message(text)],
-                                                            self.service.send(session_id, text)), restore=text)
+                                                            self.service.send(session_id, text, seen=seen)),
+                               restore=text)
 
-    def summarize(self, session_id: str | None):
+    def summarize(self, session_id: str | None, seen: int | None = None):
         """A summary of the attached documents; streams Replies."""
         if not session_id or not self.service.documents(session_id):
             raise ValueError("Attach a document first, then press Summarize.")
@@ -482,25 +549,27 @@ class Handlers:
             yield from self.send(session_id, ui.SUMMARIZE_PROMPT)
             return
         yield from self.stream(session_id, lambda history: (ui.chat_messages(history)[0],
-                                                            self.service.summarize(session_id)))
+                                                            self.service.summarize(session_id, seen=seen)))
 
-    def regenerate(self, session_id: str | None):
-        """A new version of the last reply (the old one is kept); streams Replies."""
+    def regenerate(self, session_id: str | None, seen: int | None = None):
+        """A new version of the last reply (the old one is kept), or the reply an interrupted
+        question never got; streams Replies."""
         if not session_id:
             raise ValueError("There is no reply to regenerate yet: send a message first.")
         yield from self.stream(session_id, lambda history: (ui.chat_messages(ui.without_last_reply(history))[0],
-                                                            self.service.regenerate(session_id)))
+                                                            self.service.regenerate(session_id, seen=seen)))
 
-    def edit(self, session_id: str | None, message_id: str, text: str):
+    def edit(self, session_id: str | None, message_id: str, text: str, seen: int | None = None):
         """A new version of a question (the old one is kept), answered again; streams Replies."""
         if not session_id:
             raise ValueError("There is no message to edit yet: send a message first.")
         yield from self.stream(session_id, lambda history: (ui.chat_messages(ui.before(history, message_id))[0]
                                                             + [ui.user_message(text)],
-                                                            self.service.edit(session_id, message_id, text)),
+                                                            self.service.edit(session_id, message_id, text,
+                                                                              seen=seen)),
                                restore=text)
 
-    def edit_in_chat(self, session_id: str, shown: list[dict], data: gr.EditData):
+    def edit_in_chat(self, session_id: str, shown: list[dict], seen: int | None, data: gr.EditData):
         """`edit` for a question edited in the chat, unless the chat shown is stale."""
         index = data.index if isinstance(data.index, int) else data.index[0]
         message_id = ui.edited_message_id(self.service.history(session_id), history_from_gradio(shown), index)
@@ -508,29 +577,38 @@ class Handlers:
             gr.Warning(ui.STALE_EDIT)
             yield Reply(self.view(session_id), gr.skip())
             return
-        yield from self.edit(session_id, message_id, ui.from_text(text_of(data.value)))
+        yield from self.edit(session_id, message_id, ui.from_text(text_of(data.value)), seen)
 
-    def undo(self, session_id: str | None) -> Reply:
+    @refreshing
+    def undo(self, session_id: str | None, seen: int | None = None) -> Reply:
         """Hide the last exchange; its question goes back into the message box."""
         if not session_id:
             raise ValueError("There is nothing to undo yet.")
-        text = self.service.undo(session_id)
+        text = self.service.undo(session_id, seen=seen)
         return Reply(self.view(session_id), text)
 
-    def older_version(self, session_id: str | None, message_id: str | None) -> View:
+    @refreshing
+    def older_version(self, session_id: str | None, message_id: str | None, seen: int | None = None) -> View:
         """Show the previous version of the message picked in Versions."""
-        return self._switch_version(session_id, message_id, -1)
+        return self._switch_version(session_id, message_id, -1, seen)
 
-    def newer_version(self, session_id: str | None, message_id: str | None) -> View:
+    @refreshing
+    def newer_version(self, session_id: str | None, message_id: str | None, seen: int | None = None) -> View:
         """Show the next version of the message picked in Versions."""
-        return self._switch_version(session_id, message_id, +1)
+        return self._switch_version(session_id, message_id, +1, seen)
 
-    def _switch_version(self, session_id: str | None, message_id: str | None, step: int) -> View:
+    def _switch_version(self, session_id: str | None, message_id: str | None, step: int, seen: int | None) -> View:
         if not (session_id and message_id):
             raise ValueError("Nothing to switch: edit or regenerate a message first, then pick it here.")
         place = ui.parent_of(self.service.history(session_id), message_id)
-        self.service.switch_version(session_id, message_id, step)
+        self.service.switch_version(session_id, message_id, step, seen=seen)
         return self.view(session_id, place)
+
+    def continue_in_new_chat(self, session_id: str | None) -> View:
+        """A new chat with the open conversation's documents and no messages, open."""
+        if not session_id:
+            raise ValueError("Open a conversation first.")
+        return self.view(self.service.continue_in_new_chat(session_id).id)
 
     def stop(self, session_id: str | None) -> None:
         """Stop the reply running in the conversation (within one decode step)."""
@@ -600,38 +678,43 @@ def events(c: Components, h: Handlers) -> list[Event]:
     private = {"api_visibility": "private"}
     return [
         Event([c.demo.load], h.open_initial, [], view, {}),
+        Event([c.timer.tick], h.poll, [c.session, c.seen], view, {"show_progress": "hidden", **private}),
         Event([c.new_btn.click, c.chat.clear], h.new_session, [], view, {"api_name": "new_session"}),
         Event([c.sessions.input], h.open_session, [c.sessions], view, {"api_name": "open_session"}),
         Event([c.search.submit, c.search.change], h.search_sessions, [c.search, c.session], [c.sessions],
               {"api_name": "search", "trigger_mode": "always_last", "show_progress": "hidden"}),
-        Event([c.rename_btn.click, c.rename_box.submit], h.rename, [c.session, c.rename_box], view,
+        Event([c.rename_btn.click, c.rename_box.submit], h.rename, [c.session, c.rename_box, c.seen], view,
               {"api_name": "rename"}),
         Event([c.delete_btn.click], show_confirm, [], [c.confirm_row], private),
         Event([c.cancel_btn.click], hide_confirm, [], [c.confirm_row], private),
-        Event([c.confirm_btn.click], h.delete, [c.session], view, {"api_name": "delete"}),
+        Event([c.confirm_btn.click], h.delete, [c.session, c.seen], view, {"api_name": "delete"}),
         Event([c.confirm_btn.click], hide_confirm, [], [c.confirm_row], private),
         Event([c.export_md_btn.click], h.export_markdown, [c.session], [c.export_file], {"api_name": "export_markdown"}),
         Event([c.export_json_btn.click], h.export_json, [c.session], [c.export_file], {"api_name": "export_json"}),
         Event([c.import_btn.upload], h.import_json, [c.import_btn], view, {"api_name": "import_json"}),
-        Event([c.upload_btn.upload], h.upload, [c.session, c.upload_btn], view,
+        Event([c.upload_btn.upload], h.upload, [c.session, c.upload_btn, c.seen], view,
               {**ENGINE, "api_name": "upload", "show_progress_on": [c.chips]}),  # the progress bar and ETA
-        Event([c.msg.submit, c.send_btn.click], h.send, [c.session, c.msg], reply,
+        Event([c.msg.submit, c.send_btn.click], h.send, [c.session, c.msg, c.seen], reply,
               {**streaming, "api_name": "send", "trigger_mode": "always_last"}),
-        Event([c.summarize_btn.click], h.summarize, [c.session], reply, {**streaming, "api_name": "summarize"}),
-        Event([c.regen_btn.click, c.chat.retry], h.regenerate, [c.session], reply,
+        Event([c.summarize_btn.click], h.summarize, [c.session, c.seen], reply, {**streaming, "api_name": "summarize"}),
+        Event([c.regen_btn.click, c.chat.retry, c.resume_btn.click], h.regenerate, [c.session, c.seen], reply,
               {**streaming, "api_name": "regenerate"}),
-        Event([c.edit_btn.click], h.edit, [c.session, c.edit_id, c.edit_text], reply, {**streaming, "api_name": "edit"}),
-        Event([c.chat.edit], h.edit_in_chat, [c.session, c.chat], reply, {**streaming, **private}),
-        Event([c.undo_btn.click, c.chat.undo], h.undo, [c.session], reply, {**ENGINE, "api_name": "undo"}),
-        Event([c.older_btn.click], h.older_version, [c.session, c.versions], view,
+        Event([c.edit_btn.click], h.edit, [c.session, c.edit_id, c.edit_text, c.seen], reply,
+              {**streaming, "api_name": "edit"}),
+        Event([c.chat.edit], h.edit_in_chat, [c.session, c.chat, c.seen], reply, {**streaming, **private}),
+        Event([c.undo_btn.click, c.chat.undo], h.undo, [c.session, c.seen], reply, {**ENGINE, "api_name": "undo"}),
+        Event([c.older_btn.click], h.older_version, [c.session, c.versions, c.seen], view,
               {**ENGINE, "api_name": "older_version"}),
-        Event([c.newer_btn.click], h.newer_version, [c.session, c.versions], view,
+        Event([c.newer_btn.click], h.newer_version, [c.session, c.versions, c.seen], view,
               {**ENGINE, "api_name": "newer_version"}),
+        Event([c.continue_btn.click], h.continue_in_new_chat, [c.session], view, {"api_name": "continue_in_new_chat"}),
         Event([c.stop_btn.click], h.stop, [c.session], [], {"queue": False, "api_name": "stop"}),
         Event([c.apply_btn.click], h.apply_settings, list(c.settings), [c.settings_note],
               {**ENGINE, "api_name": "apply_settings", "show_progress": "minimal"}),
+        # NOTE: queued after apply_settings in the same one-at-a-time queue, so it shows the new settings
+        Event([c.apply_btn.click], h.refresh, [c.session], view, {**ENGINE, **private}),
         Event([c.dark_btn.click], None, [], [], {"js": DARK_JS, **private}),
-        Event([c.demo.load], None, [], [], {"js": DARK_LABEL_JS, **private}),
+        Event([c.demo.load], None, [], [], {"js": LOAD_JS, **private}),
         Event([c.sessions.change], None, [c.sessions], [], {"js": ADDRESS_JS, **private}),
     ]
 

@@ -11,7 +11,12 @@ from pathlib import Path
 from memory.config import StoreConfig
 from spotlight.config import WEIGHTS, EngineConfig, SamplingConfig, SpotlightConfig, default_home
 
-__all__ = ["WEIGHTS", "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig"]
+# Regenerate samples (a greedy rerun would repeat the reply word for word): at this temperature and
+# top-p when the configured sampling is greedy, else at the configured ones; a fresh seed each time.
+REGENERATE_TEMPERATURE = 0.7
+REGENERATE_TOP_P = 0.9
+
+__all__ = ["REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "WEIGHTS", "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig"]
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,23 @@ class InvalidAction(ChatError):
 
 
 class ConversationTooLong(ChatError):
-    """The document(s) plus the conversation do not fit the model's context window."""
+    """The document(s) plus the conversation do not fit the model's context window.
+
+    `fresh_chat_fits`: a new chat with the same documents would fit (the UI then offers
+    "Continue in a new chat", `ChatService.continue_in_new_chat`)."""
+
+    def __init__(self, message: str, *, fresh_chat_fits: bool = False):
+        super().__init__(message)
+        self.fresh_chat_fits = fresh_chat_fits
+
+
+class ConversationChanged(ChatError):
+    """The conversation changed (in another tab, or through the API) since the caller last
+    showed it, so an action on it would act on something the user has not seen."""
+
+    def __init__(self, session_id: str):
+        super().__init__("This conversation changed in another tab; it has been refreshed. Look at it, then try again.")
+        self.session_id = session_id
 
 
 class StorageUnavailable(ChatError):

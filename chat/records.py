@@ -97,6 +97,8 @@ class Turn:
     sources: list[Source] | None = None  # set on the final Turn when the prompt holds documents
     read_share: float | None = None  # mean share of the context a decode step read (spotlight ReadMeter)
     spotlight: bool = False  # decoded with Spotlight attention (else densely)
+    regenerated_at: float | None = None  # a regeneration's sampling temperature (chat/config.py)
+    seed: int | None = None  # the sampling seed of a regeneration
 
     @property
     def done(self) -> bool:
@@ -116,6 +118,8 @@ class Turn:
         if self.read_share is not None:
             stats["read_share"] = round(self.read_share, 4)
             stats["spotlight"] = self.spotlight
+        if self.regenerated_at is not None:
+            stats["regenerated_at"], stats["seed"] = self.regenerated_at, self.seed
         if self.sources:
             stats["sources"] = [source.as_dict() for source in self.sources]
         return stats

@@ -15,9 +15,15 @@ every decode step and between prefill chunks (chat/runtime.py). Errors are `Chat
 Undo is delete-less: it marks the last exchange's user message `undone` in its metadata;
 the visible conversation ends before the first undone message, the next message starts a
 new branch there, and switching back to that branch (`switch_branch`) clears the mark.
+
+Tabs: every change to what a tab shows bumps the conversation's version number in the store
+(`version`). Each mutating call takes the version its caller last showed (`seen`; None skips
+the check) and raises `ConversationChanged` when the stored one is newer, so a stale tab
+never acts on an exchange it did not show; `changed` is the cheap check a tab polls.
 """
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -31,9 +37,11 @@ from spotlight.config import SamplingConfig
 from spotlight.errors import SpotlightError
 
 from . import export
-from .config import AppConfig
+from .config import REGENERATE_TEMPERATURE, REGENERATE_TOP_P, AppConfig
 from .errors import (
     ChatError,
+    ConversationChanged,
+    ConversationNotFound,
     ConversationTooLong,
     ImportFailed,
     InvalidAction,
@@ -218,18 +226,59 @@ class ChatService:
         with translated():
             return [_session_info(record) for record in self.store.transcript.search_sessions(query)]
 
-    def rename(self, session_id: SessionId, title: str) -> SessionInfo:
+    def rename(self, session_id: SessionId, title: str, *, seen: int | None = None) -> SessionInfo:
         if not title.strip():
             raise InvalidAction("a conversation title cannot be empty; type a name")
         with translated(session_id):
+            self.check_current(session_id, seen)
             return _session_info(self.store.transcript.update_session(session_id, title=capped_title(title)))
 
-    def delete(self, session_id: SessionId) -> None:
+    def delete(self, session_id: SessionId, *, seen: int | None = None) -> None:
         """Delete the conversation, its messages, documents only it uses, its cache and its exports."""
         with translated(session_id), self._flags.running(session_id):
+            self.check_current(session_id, seen)
             self.store.transcript.delete_session(session_id)
         self._pool.drop(session_id)
         self.scratch.drop_exports(session_id)
+
+    def version(self, session_id: SessionId) -> int:
+        """The conversation's version number (it moves with every change a tab shows)."""
+        with translated(session_id):
+            return self.store.transcript.session_version(session_id)
+
+    def check_current(self, session_id: SessionId, seen: int | None) -> None:
+        """`ConversationChanged` unless the conversation is still at version `seen` (None: no check)."""
+        if seen is not None and self.version(session_id) != seen:
+            raise ConversationChanged(session_id)
+
+    def changed(self, session_id: SessionId, seen: int | None) -> bool:
+        """Whether a tab that shows version `seen` should refresh: the conversation moved on
+        (or was deleted) and no reply is being generated in it now (the tab refreshes once
+        that reply is stored). One indexed read: cheap enough to poll every few seconds."""
+        if self._flags.is_running(session_id):
+            return False
+        try:
+            return self.version(session_id) != seen
+        except ConversationNotFound:
+            return True
+
+    def continue_in_new_chat(self, session_id: SessionId) -> SessionInfo:
+        """A new conversation with the same system prompt and attached documents and no
+        messages (for a conversation that filled the model's window); their cache is shared."""
+        with translated(session_id):
+            old = self.store.transcript.get_session(session_id)
+            new = self.store.transcript.create_session(capped_title(f"{old.title} (continued)") or DEFAULT_TITLE,
+                                                       system_prompt=old.system_prompt)
+            self.store.transcript.copy_documents(session_id, new.id)
+            return self.get(new.id)
+
+    def reply_interrupted(self, session_id: SessionId) -> bool:
+        """Whether the visible conversation ends with a question whose reply was never stored
+        (the app stopped while it was being generated) and no reply is being generated now.
+        Read from the stored transcript, so it holds after a crash and a restart."""
+        with translated(session_id):
+            records = self._visible(session_id)
+        return bool(records) and records[-1].role == "user" and not self._flags.is_running(session_id)
 
     # ------------------------------------------------------------------ messages
 
@@ -238,12 +287,14 @@ class ChatService:
         with translated(session_id):
             return [self._chat_message(record) for record in self._visible(session_id)]
 
-    def send(self, session_id: SessionId, text: str, *, sampling: SamplingConfig | None = None) -> Iterator[Turn]:
+    def send(self, session_id: SessionId, text: str, *, sampling: SamplingConfig | None = None,
+             seen: int | None = None) -> Iterator[Turn]:
         """Add a user message and stream the reply (see `Turn`). `EngineBusy` if a reply is
         already running in this conversation; other conversations wait for the engine.
         `sampling` overrides the configured sampling for this reply (the API's per-request options)."""
         text = _checked_text(text)
         with translated(session_id), self._flags.running(session_id) as cancel:
+            self.check_current(session_id, seen)
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records).plus("user", text)
             self._check_fits(conversation)
@@ -265,28 +316,35 @@ class ChatService:
                                                        parent_id=records[-1].id if records else None)
             return self._chat_message(record)
 
-    def regenerate(self, session_id: SessionId) -> Iterator[Turn]:
-        """A new reply to the last user message; the previous reply stays as a sibling branch."""
+    def regenerate(self, session_id: SessionId, *, sampling: SamplingConfig | None = None,
+                   seen: int | None = None) -> Iterator[Turn]:
+        """A new reply to the last user message; the previous reply stays as a sibling branch.
+        It is sampled (`regeneration_sampling`: a greedy rerun would repeat the reply word
+        for word; `sampling` overrides that) and its stats record the temperature and seed."""
         with translated(session_id), self._flags.running(session_id) as cancel:
+            self.check_current(session_id, seen)
             records = self._visible(session_id)
             old = records.pop() if records and records[-1].role == "assistant" else None
             if not records or records[-1].role != "user":
                 raise InvalidAction("there is no reply to regenerate yet; send a message first")
             user = records[-1]
             store_reply = self._sibling_of(old.id) if old else self._reply_to(session_id, user.id)
-            plan = self._summary_plan(session_id, user.id, store_reply) if user.metadata.get("summary") else None
+            sampling = sampling or regeneration_sampling(self.config.sampling)
+            plan = self._summary_plan(session_id, user.id, store_reply, sampling) if user.metadata.get("summary") else None
             if plan is None:  # a question, or a summary that no longer fits in one pass
                 plan = ReplyPlan(session_id, self._conversation(session_id, records), [r.id for r in records],
-                                 store_reply)
-            yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
+                                 store_reply, sampling=sampling)
+            turn = Turn(session_id, user_message_id=user.id, regenerated_at=sampling.temperature, seed=sampling.seed)
+            yield from self.runner.reply(plan, turn, cancel)
 
     def edit(self, session_id: SessionId, message_id: MessageId, text: str, *,
-             sampling: SamplingConfig | None = None) -> Iterator[Turn]:
+             sampling: SamplingConfig | None = None, seen: int | None = None) -> Iterator[Turn]:
         """Replace one of your earlier messages with `text` and stream a new reply. The edit is a
         sibling branch: the old message and everything after it are kept, and the cache is
         reused up to the edited message."""
         text = _checked_text(text)
         with translated(session_id), self._flags.running(session_id) as cancel:
+            self.check_current(session_id, seen)
             records = self._visible(session_id)
             index = self._visible_index(session_id, records, message_id)
             if records[index].role != "user":
@@ -298,10 +356,11 @@ class ChatService:
                              self._reply_to(session_id, user.id), sampling=sampling)
             yield from self.runner.reply(plan, Turn(session_id, user_message_id=user.id), cancel)
 
-    def undo(self, session_id: SessionId) -> str:
+    def undo(self, session_id: SessionId, *, seen: int | None = None) -> str:
         """Hide the last exchange (your last message and its reply) without deleting it;
         returns your message's text so it can be edited and sent again."""
         with translated(session_id), self._flags.running(session_id):
+            self.check_current(session_id, seen)
             records = self._visible(session_id)
             users = [record for record in records if record.role == "user"]
             if not users:
@@ -309,9 +368,11 @@ class ChatService:
             self.store.transcript.set_message_metadata(users[-1].id, {"undone": True})
             return users[-1].content
 
-    def switch_branch(self, session_id: SessionId, message_id: MessageId) -> list[ChatMessage]:
+    def switch_branch(self, session_id: SessionId, message_id: MessageId, *,
+                      seen: int | None = None) -> list[ChatMessage]:
         """Show the branch through `message_id` (its newest continuation); returns the history."""
         with translated(session_id), self._flags.running(session_id):
+            self.check_current(session_id, seen)
             if self.store.transcript.get_message(message_id).session_id != session_id:
                 raise MessageNotFound(message_id, session_id)
             for record in self.store.transcript.switch_branch(message_id):
@@ -319,16 +380,18 @@ class ChatService:
                     self.store.transcript.set_message_metadata(record.id, {"undone": False})
         return self.history(session_id)
 
-    def switch_version(self, session_id: SessionId, message_id: MessageId, step: int) -> list[ChatMessage]:
+    def switch_version(self, session_id: SessionId, message_id: MessageId, step: int, *,
+                       seen: int | None = None) -> list[ChatMessage]:
         """Show the alternative `step` places from `message_id` among its siblings (edits and
         regenerations; -1 = the older one, +1 = the newer one), clamped to the first and last;
         returns the history. The UI's "< version i of k >" arrows call this."""
         with translated(session_id):
+            self.check_current(session_id, seen)
             if self.store.transcript.get_message(message_id).session_id != session_id:
                 raise MessageNotFound(message_id, session_id)
             siblings = [record.id for record in self.store.transcript.siblings(message_id)]
         index = min(max(siblings.index(message_id) + step, 0), len(siblings) - 1)
-        return self.switch_branch(session_id, siblings[index])
+        return self.switch_branch(session_id, siblings[index], seen=seen)
 
     def stop(self, session_id: str) -> None:
         """Ask the running reply (or resume) of a conversation to stop: it does within one
@@ -342,15 +405,17 @@ class ChatService:
         with translated(session_id), self._flags.running(session_id) as cancel:
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records)
+            self._check_fits(conversation, reply=False)
             return self.runner.resume(session_id, conversation, [r.id for r in records], cancel, progress)
 
     # ------------------------------------------------------------------ documents
 
-    def attach_text(self, session_id: SessionId, name: str, text: str, *, pages: int | None = None) -> DocumentInfo:
+    def attach_text(self, session_id: SessionId, name: str, text: str, *, pages: int | None = None,
+                    seen: int | None = None) -> DocumentInfo:
         """Attach plain text as a document (see `attach_document`)."""
-        return self.attach_document(session_id, Document(name, "txt", text, page_count=pages))
+        return self.attach_document(session_id, Document(name, "txt", text, page_count=pages), seen=seen)
 
-    def attach_document(self, session_id: SessionId, document: Document) -> DocumentInfo:
+    def attach_document(self, session_id: SessionId, document: Document, *, seen: int | None = None) -> DocumentInfo:
         """Attach a read document (segmenter) to the conversation's prefix (the system
         message): it is cut into segments once, here, with their pages and headings, and
         stored with them. Refused with `ConversationTooLong` before any long work (tokens are
@@ -359,6 +424,7 @@ class ChatService:
         if not document.text.strip():
             raise InvalidAction(f"the document {document.name!r} is empty; attach a file with text in it")
         with translated(session_id), self._flags.running(session_id):
+            self.check_current(session_id, seen)
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records)
             room = self.engine.max_context - 1 - len(self.runner.renderer.prompt(conversation))
@@ -430,7 +496,7 @@ class ChatService:
 
     # ------------------------------------------------------------------ summaries
 
-    def summarize(self, session_id: SessionId, progress=None) -> Iterator[Turn]:
+    def summarize(self, session_id: SessionId, progress=None, *, seen: int | None = None) -> Iterator[Turn]:
         """Summarise the attached documents: a request of its own over the documents alone (the
         conversation's earlier turns are not rendered, chat/summarize.py), up to
         `config.summary_tokens` tokens long. One pass from the documents' cached prefix when the
@@ -441,6 +507,7 @@ class ChatService:
         from . import summarize as summary
 
         with translated(session_id):
+            self.check_current(session_id, seen)
             records = self._visible(session_id)
             documents = self._conversation(session_id, []).documents
         if not documents:
@@ -468,9 +535,11 @@ class ChatService:
                                                                 metadata={"stats": stats}).id
         yield turn
 
-    def _summary_plan(self, session_id: SessionId, request_id: MessageId, store_reply) -> ReplyPlan | None:
+    def _summary_plan(self, session_id: SessionId, request_id: MessageId, store_reply,
+                      sampling: SamplingConfig | None = None) -> ReplyPlan | None:
         """The one-pass summary of the conversation's documents (None when it does not fit):
-        rendered without the conversation's turns, with the summary's own token budget."""
+        rendered without the conversation's turns, with the summary's own token budget
+        (`sampling`: a regeneration's, else the configured one)."""
         from . import summarize as summary
 
         session = self.store.transcript.get_session(session_id)
@@ -483,7 +552,7 @@ class ChatService:
         def store_summary(content: str, stats: dict) -> MessageRecord:
             return store_reply(content, {**stats, "summary": "one pass"})
         return ReplyPlan(session_id, conversation, [request_id], store_summary,
-                         sampling=replace(self.config.sampling, max_new_tokens=budget), prefix_only=True)
+                         sampling=replace(sampling or self.config.sampling, max_new_tokens=budget), prefix_only=True)
 
     # ------------------------------------------------------------------ helpers
 
@@ -525,11 +594,18 @@ class ChatService:
             self._documents[document_id] = AttachedDocument(document_id, record.name, text, segments)
         return replace(self._documents[document_id], name=attached.name)
 
-    def _check_fits(self, conversation: Conversation) -> None:
-        try:
-            self.runner.check_fits(conversation)
-        except SpotlightError as error:
-            raise ConversationTooLong(str(error)) from error
+    def _check_fits(self, conversation: Conversation, *, reply: bool = True) -> None:
+        """`ConversationTooLong`, in the user's terms, unless the conversation's prompt leaves
+        room for a reply token (`reply`; else: unless the conversation itself fits)."""
+        renderer, window = self.runner.renderer, self.engine.max_context
+        n_tokens = len(renderer.prompt(conversation) if reply else renderer.full(conversation))
+        if n_tokens + reply <= window:
+            return
+        documents = [(d.name, _document_tokens(d, self.engine.count_tokens)) for d in conversation.documents]
+        questions = [m for m in conversation.messages if m[0] == "user"][-1:]
+        fresh = Conversation(conversation.system_prompt, conversation.documents, tuple(questions))
+        fits = len(renderer.prompt(fresh)) + 1 <= window
+        raise ConversationTooLong(window_full(documents, n_tokens, window, fits), fresh_chat_fits=fits)
 
     def _reply_to(self, session_id: SessionId, user_id: MessageId):
         def store_reply(content: str, stats: dict) -> MessageRecord:
@@ -563,6 +639,38 @@ def too_long(name: str, room: int, window: int) -> str:
     return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: the model reads "
             f"at most {window:,} tokens at once (about {window // 400:,} pages). Attach a shorter excerpt, "
             "or start a new chat for it.")
+
+
+def window_full(documents: list[tuple[str, int]], n_tokens: int, window: int, fresh_chat_fits: bool) -> str:
+    """Why a conversation does not fit the model's window, in the user's terms, and what to do:
+    `documents` are (name, tokens); `fresh_chat_fits`: a new chat with them and the last question would."""
+    pages = f"about {window // 400:,} pages"
+    named = " and ".join(f"{name} ({tokens:,} tokens)" for name, tokens in documents)
+    if fresh_chat_fits:
+        kept = f" with {named}" if documents else ""
+        return (f"This conversation has filled the model's context window: it comes to {n_tokens:,} tokens, and "
+                f"the model reads at most {window:,} at once ({pages}). Continue in a new chat{kept} (the button "
+                "under the message box), or choose a model with a larger window in Settings.")
+    if not documents:
+        return (f"Your message is too long for this model: the conversation would come to {n_tokens:,} tokens, and "
+                f"the model reads at most {window:,} at once ({pages}). Shorten it, or choose a model with a "
+                "larger window in Settings.")
+    return (f"{named} {'is' if len(documents) == 1 else 'are'} too long for this model: with the conversation it "
+            f"comes to {n_tokens:,} tokens, and the model reads at most {window:,} at once ({pages}). Attach a "
+            "shorter excerpt, or choose a model with a larger window in Settings.")
+
+
+def regeneration_sampling(sampling: SamplingConfig) -> SamplingConfig:
+    """How a regeneration samples: the configured temperature and top-p, or REGENERATE_TEMPERATURE
+    and REGENERATE_TOP_P when they are greedy, with a fresh seed."""
+    if sampling.greedy:
+        sampling = replace(sampling, temperature=REGENERATE_TEMPERATURE, top_p=REGENERATE_TOP_P)
+    return replace(sampling, seed=secrets.randbits(31))
+
+
+def _document_tokens(document: AttachedDocument, count_tokens) -> int:
+    counts = [segment.n_tokens for segment in document.segments]
+    return sum(counts) if counts and None not in counts else count_tokens(document.text)
 
 
 def _segment_spec(segment: DocumentSegment) -> SegmentSpec:

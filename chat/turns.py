@@ -66,10 +66,6 @@ class TurnRunner:
         self.renderer = Renderer(engine)
         self.sync = CacheSync(store, engine)
 
-    def check_fits(self, conversation: Conversation) -> None:
-        """`ContextTooLong` unless the conversation's prompt leaves room for a reply token."""
-        self.engine.check_fits(len(self.renderer.prompt(conversation)), 1)
-
     # ------------------------------------------------------------------ reply
 
     def reply(self, plan: ReplyPlan, turn: Turn, cancel) -> Iterator[Turn]:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from .config import AppConfig
 from spotlight.config import EngineConfig, SamplingConfig, SpotlightConfig
 
+from .errors import ConversationTooLong
 from .records import ChatMessage, DocumentInfo, SessionInfo, Turn
 
 SUMMARIZE_PROMPT = "Summarize the document."
@@ -36,6 +37,8 @@ NO_DOCUMENTS = "No document attached yet: <b>Attach</b> adds one (several are fi
 READING = "reading the conversation…"  # the status line while a prompt is prefilled
 STALE_EDIT = "This conversation changed (another tab?); it was reloaded. Edit the message again."
 NOTHING_CHANGED = "Nothing changed."
+INTERRUPTED = "Reply interrupted — the app stopped before it finished"  # a question whose reply was never stored
+INTERRUPTED_HINT = "Press **Regenerate the reply** to answer it."
 _TITLE_SLUG = re.compile(r"[^A-Za-z0-9]+")
 # Speeds over fewer tokens than these measure call overhead, not the model: not shown.
 SPEED_MIN_PREFILL = 64
@@ -123,21 +126,32 @@ class Screen:
     status: str
     version_choices: list[tuple[str, str]]
     version: str | None
+    interrupted: bool  # the last question's reply was never stored: offer to regenerate it
+    window_full: bool  # the conversation leaves less room than a reply: offer a new chat with the documents
 
 
 def screen(sessions: list[SessionInfo], info: SessionInfo | None, history: list[ChatMessage],
-           documents: list[DocumentInfo], config: AppConfig, model: ModelFacts, near: str | None = None) -> Screen:
+           documents: list[DocumentInfo], config: AppConfig, model: ModelFacts, near: str | None = None,
+           interrupted: bool = False) -> Screen:
     """The display values of the conversation `info` (None: a new, empty one) in the list
-    `sessions`. `near`: the parent of a place whose version was just switched (keeps it selected)."""
+    `sessions`. `near`: the parent of a place whose version was just switched (keeps it selected);
+    `interrupted`: the service found the last question without its reply (`reply_interrupted`)."""
     budget = config.sampling.max_new_tokens
     use = None if not model.window else ContextUse(model.window, 0, 0, budget) if info is None else \
         context_use(model.window, documents, history, budget, model.count_tokens, info.system_prompt)
     choices, chosen = version_choices(history, near)
+    messages = chat_messages(history)[0] + ([interrupted_message()] if interrupted else [])
+    status = f"⚠ {INTERRUPTED}. {INTERRUPTED_HINT}" if interrupted else \
+        turn_line(last_stats(history), config.spotlight, model.window is not None and model.dense)
     return Screen(session_choices(sessions), None if sessions else NO_SESSIONS,
-                  f"### {as_text(info.title) if info else 'New conversation'}", chat_messages(history)[0],
-                  chips_html(documents), gauge_html(use),
-                  turn_line(last_stats(history), config.spotlight, model.window is not None and model.dense),
-                  choices, chosen)
+                  f"### {as_text(info.title) if info else 'New conversation'}", messages,
+                  chips_html(documents), gauge_html(use), status, choices, chosen, interrupted,
+                  bool(history) and use is not None and use.room < use.reply_budget)
+
+
+def offers_new_chat(error: Exception) -> bool:
+    """Whether an error means the conversation filled the window and a new chat with its documents would fit."""
+    return isinstance(error, ConversationTooLong) and error.fresh_chat_fits
 
 
 # ----------------------------------------------------------------------------- messages
@@ -167,7 +181,9 @@ def version_choices(history: list[ChatMessage], near: str | None = None) -> tupl
         counts[message.role] = counts.get(message.role, 0) + 1
         if message.branches > 1:
             kind = "Question" if message.role == "user" else "Reply"
-            choices.append((f"{kind} {counts[message.role]}: version {message.branch + 1} of {message.branches}",
+            sampled = message.stats.get("regenerated_at")
+            how = f" (regenerated at temperature {sampled:g})" if sampled is not None else ""
+            choices.append((f"{kind} {counts[message.role]}: version {message.branch + 1} of {message.branches}{how}",
                             message.id))
             if near is not None and message.parent_id == near:
                 chosen = message.id
@@ -235,6 +251,11 @@ def user_message(text: str) -> dict:
 
 def assistant_message(text: str) -> dict:
     return {"role": "assistant", "content": inert_markdown(text)}
+
+
+def interrupted_message() -> dict:
+    """The notice in place of a reply that was never stored (the app stopped while generating it)."""
+    return {"role": "assistant", "content": INTERRUPTED_HINT, "metadata": {"title": INTERRUPTED, "status": "done"}}
 
 
 def pending_message(title: str = "Reading the conversation…") -> dict:
@@ -370,6 +391,8 @@ def turn_line(stats: dict | Turn | None, spotlight: SpotlightConfig, dense_engin
         parts.append(f"decode {decoded:,} token{'s' if decoded != 1 else ''}{speed}")
     parts.append(spotlight_share(spotlight, cached + computed, stats.get("read_share"), dense_engine,
                                  stats.get("spotlight", True)))
+    if stats.get("regenerated_at") is not None:
+        parts.append(f"regenerated at temperature {stats['regenerated_at']:g}")
     if stats.get("finish") == "cancelled":
         parts.append("stopped")
     elif stats.get("finish") == "length":

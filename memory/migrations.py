@@ -25,6 +25,8 @@ JSON columns hold objects):
                       heading, n_tokens
     session_documents session_id, document_id, ordinal, added, name (m004: the file name
                       the document has in that session; its content is shared)
+    session_versions  session_id, version (m005): bumped by every change to the conversation a
+                      tab shows (messages, branch, undo marks, title, documents)
     prefixes          hash (sha256 of token ids + fingerprints), model_fp, encoder_fp,
                       prefix_digest (m003), n_tokens, complete, created
     session_prefixes  session_id, prefix_hash, linked: which sessions use a cached prefix
@@ -215,4 +217,12 @@ def m004_attachment_names_and_settings(db) -> None:
     db["settings"].create({"key": str, "value": str, "updated": float}, pk="key", not_null={"value", "updated"})
 
 
-MIGRATIONS = [m001_core_tables, m002_full_text_search, m003_span_key_columns, m004_attachment_names_and_settings]
+def m005_session_versions(db) -> None:
+    """A version number per session, so a browser tab can tell that it shows an older state
+    (a session without a row is at version 0)."""
+    db["session_versions"].create({"session_id": str, "version": int}, pk="session_id",
+                                  not_null={"version"})
+
+
+MIGRATIONS = [m001_core_tables, m002_full_text_search, m003_span_key_columns, m004_attachment_names_and_settings,
+              m005_session_versions]

@@ -109,7 +109,17 @@ class Transcript:
         with self._connections.write() as db:
             rows.session_row(db, session_id)
             db["sessions"].update(session_id, changes)
+            _bump_version(db, session_id)
             return SessionRecord.from_row(rows.session_row(db, session_id))
+
+    def session_version(self, session_id: SessionId) -> int:
+        """The session's version number: 0 when created, +1 with every change to what a tab
+        shows of it (a message, a branch switch, an undo mark, its title, a document). One
+        indexed read, cheap enough to poll. `SessionNotFound` for a deleted session."""
+        with self._connections.read() as db:
+            rows.session_row(db, session_id)
+            found = rows.one(db, "SELECT version FROM session_versions WHERE session_id = ?", [session_id])
+            return found["version"] if found else 0
 
     def search_sessions(self, query: str, limit: int = 50) -> list[SessionRecord]:
         """Sessions in which every word of `query` starts a word of the title or of some
@@ -156,6 +166,7 @@ class Transcript:
             db.execute("DELETE FROM session_documents WHERE session_id = ?", [session_id])
             _delete_unused_documents(db, documents)
             db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
+            db.execute("DELETE FROM session_versions WHERE session_id = ?", [session_id])
             db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
         self._connections.unlink(files)
 
@@ -212,6 +223,7 @@ class Transcript:
         }
         db["messages"].insert(row)
         db["sessions"].update(session_id, {"active_leaf_id": row["id"], "updated": now})
+        _bump_version(db, session_id)
         return MessageRecord.from_row(row)
 
     def get_message(self, message_id: MessageId) -> MessageRecord:
@@ -225,6 +237,7 @@ class Transcript:
             row = rows.message_row(db, message_id)
             merged = {**json.loads(row["metadata"]), **metadata}
             db["messages"].update(message_id, {"metadata": _dumps(merged)})
+            _bump_version(db, row["session_id"])
             return MessageRecord.from_row({**row, "metadata": _dumps(merged)})
 
     def path_to(self, message_id: MessageId) -> list[MessageRecord]:
@@ -253,6 +266,7 @@ class Transcript:
             while replies := _children(db, row["session_id"], leaf):
                 leaf = replies[-1].id
             db["sessions"].update(row["session_id"], {"active_leaf_id": leaf, "updated": self._connections.clock()})
+            _bump_version(db, row["session_id"])
             return rows.message_path(db, leaf)
 
     # ------------------------------------------------------------------ documents
@@ -318,6 +332,21 @@ class Transcript:
             "VALUES (?, ?, ?, ?, ?) ON CONFLICT (session_id, document_id) DO UPDATE SET name = excluded.name",
             [session_id, document_id, ordinal, self._connections.clock(), name],
         )
+        _bump_version(db, session_id)
+
+    def copy_documents(self, source: SessionId, target: SessionId) -> None:
+        """Attach `source`'s documents to `target` as they are attached there (same order,
+        same attachment rows), after any `target` already has."""
+        with self._connections.write() as db:
+            rows.session_row(db, source)
+            rows.session_row(db, target)
+            attached = list(db.query("SELECT * FROM session_documents WHERE session_id = ? ORDER BY ordinal",
+                                     [source]))
+            have = db.execute("SELECT COUNT(*) FROM session_documents WHERE session_id = ?", [target]).fetchone()[0]
+            db["session_documents"].insert_all(
+                ({**row, "session_id": target, "ordinal": have + index} for index, row in enumerate(attached)),
+                ignore=True)
+            _bump_version(db, target)
 
     def get_document(self, document_id: DocumentId) -> DocumentRecord:
         with self._connections.read() as db:
@@ -452,6 +481,11 @@ class Transcript:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _bump_version(db, session_id: SessionId) -> None:
+    db.execute("INSERT INTO session_versions (session_id, version) VALUES (?, 1) "
+               "ON CONFLICT(session_id) DO UPDATE SET version = version + 1", [session_id])
 
 
 def _children(db, session_id, parent_id) -> list[MessageRecord]:

@@ -11,6 +11,7 @@ import pytest
 import app
 from app import Components, Handlers, Reply, ServiceRef, View, history_from_gradio, text_of, throttled
 from chat import documents, ui_model as ui
+from chat.errors import ConversationTooLong
 from chat.records import ChatMessage, DocumentInfo, SessionInfo, Turn
 from chat.service import ChatService
 from fakes import echo_engine, free_port
@@ -67,8 +68,8 @@ def test_the_components_are_exactly_those_the_events_table_names(ui_parts):
         for component in [trigger.__self__ for trigger in event.triggers] + event.inputs + event.outputs:
             named[id(component)] = component
     assert named.keys() == fields.keys()  # every named component is a field, and every field is named
-    assert [c.elem_id for c in components.view()] == [None, "sessions", "title", "chat", "chips", "gauge",
-                                                      "turn-stats", "versions"]
+    assert [c.elem_id for c in components.view()] == [None, None, "sessions", "title", "chat", "chips", "gauge",
+                                                      "turn-stats", "versions", "resume-btn", "continue-btn"]
     assert components.reply() == components.view() + [components.msg]
 
 
@@ -76,7 +77,7 @@ def test_every_model_bound_event_shares_the_engine_queue(ui_parts):
     components, handlers, table = ui_parts
     engine_bound = {h.__name__ for _, h, _, _, options in table if options.get("concurrency_id") == "engine"}
     assert engine_bound == {"upload", "send", "summarize", "regenerate", "edit", "edit_in_chat", "undo",
-                            "older_version", "newer_version", "apply_settings"}
+                            "older_version", "newer_version", "apply_settings", "refresh"}
     assert all(options["concurrency_limit"] == 1 for *_, options in table if "concurrency_id" in options)
 
 
@@ -113,12 +114,13 @@ def test_each_handler_returns_a_complete_view(ui_parts, tmp_path):
 
 
 def test_gradio_values_puts_a_view_in_output_order():
-    view = View("s1", "sessions", "title", [], "chips", "gauge", "status", "versions")
-    assert app.gradio_values(view, 8) == ("s1", "sessions", "title", [], "chips", "gauge", "status", "versions")
-    assert app.gradio_values(Reply(view, "typed"), 9) == (*view, "typed")
+    view = View("s1", 3, "sessions", "title", [], "chips", "gauge", "status", "versions", "resume", "continue")
+    assert app.gradio_values(view, 11) == ("s1", 3, "sessions", "title", [], "chips", "gauge", "status", "versions",
+                                           "resume", "continue")
+    assert app.gradio_values(Reply(view, "typed"), 12) == (*view, "typed")
     assert app.gradio_values("note", 1) == "note"
-    with pytest.raises(AssertionError, match="a View of 8 values for 9 outputs"):
-        app.gradio_values(view, 9)
+    with pytest.raises(AssertionError, match="a View of 11 values for 12 outputs"):
+        app.gradio_values(view, 12)
 
 
 def test_settings_apply_swaps_the_service_in_its_holder(ui_parts):
@@ -220,10 +222,45 @@ def test_screen_of_an_open_conversation(tmp_path):
     use = ui.context_use(1000, docs, history, config.sampling.max_new_tokens, len, "Be brief.")
     assert screen == ui.Screen(
         ui.session_choices([info]), None, "### Trip", ui.chat_messages(history)[0], ui.chips_html(docs),
-        ui.gauge_html(use), ui.turn_line(history[-1].stats, config.spotlight), [], None)
+        ui.gauge_html(use), ui.turn_line(history[-1].stats, config.spotlight), [], None, False, False)
     empty = ui.screen([], None, [], [], config, ui.ModelFacts(None, True, len))
     assert empty == ui.Screen([], ui.NO_SESSIONS, "### New conversation", [], ui.chips_html([]),
-                              ui.gauge_html(None), "", [], None)
+                              ui.gauge_html(None), "", [], None, False, False)
+
+
+def test_an_interrupted_reply_and_a_full_window_are_shown_with_what_to_do(tmp_path):
+    """Issue #19 items 8 and 13: the notice in place of the reply, and the offer of a new chat."""
+    config = AppConfig(home=tmp_path)
+    info = SessionInfo("s1", "Trip", 0.0, 0.0, "Be brief.")
+    history = [message("user", "hi"), message("assistant", "hello", finish="eos", cached_tokens=10, decode_tokens=2),
+               message("user", "and then?")]
+    docs = [DocumentInfo("d1", "a.txt", 400, 100)]
+    interrupted = ui.screen([info], info, history, docs, config, ui.ModelFacts(1000, False, len), interrupted=True)
+    assert interrupted.messages == ui.chat_messages(history)[0] + [{
+        "role": "assistant", "content": "Press **Regenerate the reply** to answer it.",
+        "metadata": {"title": "Reply interrupted — the app stopped before it finished", "status": "done"}}]
+    assert (interrupted.status, interrupted.interrupted, interrupted.window_full) == (
+        "⚠ Reply interrupted — the app stopped before it finished. Press **Regenerate the reply** to "
+        "answer it.", True, False)
+    full = ui.screen([info], info, history, [DocumentInfo("d1", "a.txt", 3000, 800)], config,
+                     ui.ModelFacts(1000, False, len))
+    assert (full.interrupted, full.window_full) == (False, True)  # less room than a reply of 256 tokens
+    assert ui.screen([info], info, [], [DocumentInfo("d1", "a.txt", 3000, 800)], config,
+                     ui.ModelFacts(1000, False, len)).window_full is False  # no conversation to continue from
+    assert ui.offers_new_chat(ConversationTooLong("full", fresh_chat_fits=True)) is True
+    assert ui.offers_new_chat(ConversationTooLong("document too long")) is False
+
+
+def test_a_regenerated_reply_says_it_was_sampled():
+    """Issue #19 item 12: the stats line and the version label name the temperature."""
+    config = AppConfig()
+    stats = {"finish": "eos", "cached_tokens": 900, "prefill_tokens": 1, "decode_tokens": 5, "decode_tps": 3.0,
+             "regenerated_at": 0.7, "seed": 12}
+    plain = {key: value for key, value in stats.items() if key not in ("regenerated_at", "seed")}
+    assert ui.turn_line(stats, config.spotlight) == ui.turn_line(plain, config.spotlight) + \
+        " · regenerated at temperature 0.7"
+    history = [message("user", "hi"), ChatMessage("r2", "assistant", "hey", None, 1, 2, stats)]
+    assert ui.version_choices(history) == ([("Reply 1: version 2 of 2 (regenerated at temperature 0.7)", "r2")], "r2")
 
 
 def test_edited_message_id_refuses_a_stale_chat():
@@ -422,9 +459,10 @@ def test_a_search_without_a_match_says_so(ui_parts):
 def test_browser_side_events_label_dark_mode_and_keep_the_conversation_in_the_address(ui_parts):
     components, _, table = ui_parts
     scripts = {(tuple(t.__self__ for t in e.triggers), e.options["js"]) for e in table if "js" in e.options}
-    assert scripts == {((components.dark_btn,), app.DARK_JS), ((components.demo,), app.DARK_LABEL_JS),
+    assert scripts == {((components.dark_btn,), app.DARK_JS), ((components.demo,), app.LOAD_JS),
                        ((components.sessions,), app.ADDRESS_JS)}
     assert "spotlightDarkLabel" in app.DARK_JS and "window.spotlightDarkLabel = " in app.HEAD
+    assert "spotlightFitSidebar" in app.LOAD_JS and "window.innerWidth < 700" in app.HEAD
     assert "history.replaceState" in app.ADDRESS_JS and "'session'" in app.ADDRESS_JS
     assert "#versions-row:not(:has(#versions)) { display: none; }" in app.CSS
 
@@ -435,4 +473,4 @@ def test_toasts_and_the_status_line_show_file_names_as_text(ui_parts, tmp_path):
     bad = tmp_path / "<b>budget.xlsx"
     bad.write_bytes(b"PK\x03\x04 not a document")
     view = app.adapted(handlers.upload, ui_parts[0].view(), [ui_parts[0].status])(None, [str(bad)])
-    assert view[6].startswith("⚠ &lt;b&gt;budget.xlsx: .xlsx files are not supported")
+    assert view[7].startswith("⚠ &lt;b&gt;budget.xlsx: .xlsx files are not supported")

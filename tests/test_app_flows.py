@@ -51,7 +51,8 @@ def status(outputs) -> str:
 # VIEW outputs as the client returns them (gr.State is hidden): sessions, title, chatbot, chips, gauge, stats,
 # versions; streaming events add the message box
 SESSIONS, TITLE, CHAT, CHIPS, GAUGE, STATS, VERSIONS, MSG = range(8)
-RATIO = SpotlightConfig().ratio  # the settings form's default budget
+RATIO = SpotlightConfig().ratio
+STALE = "This conversation changed in another tab; it has been refreshed. Look at it, then try again."  # the settings form's default budget
 
 
 def open_id(outputs) -> str:
@@ -264,7 +265,8 @@ def test_version_arrows_with_nothing_to_switch_say_what_to_do(tab):
 
 
 def test_sending_while_a_reply_streams_waits_its_turn(server, tab):
-    """Two tabs on the same conversation: the second send queues behind the engine; nothing is lost."""
+    """Two tabs on the same conversation: the second send queues behind the engine; as the first
+    tab's reply was stored meanwhile, unseen by the second tab, it refreshes and keeps the typed text."""
     long_job = tab.submit("/long first", api_name="/send")
     while not any("word2" in str(out[CHAT]) for out in long_job.outputs()):
         time.sleep(0.02)
@@ -277,10 +279,34 @@ def test_sending_while_a_reply_streams_waits_its_turn(server, tab):
     assert not second_job.done()  # queued behind the running reply (one engine)
     tab.predict(api_name="/stop")
     long_job.result()
-    final = second_job.result()
+    refused = second_job.result()
+    assert (status(refused), refused[MSG]) == (f"⚠ {STALE}", "second tab says hi")
+    assert [role for role, _ in texts(refused[CHAT])] == ["user", "assistant"]  # the first tab's reply, shown now
+    _, final = run(second, "second tab says hi", api_name="/send")
     roles = [m["role"] for m in history(second, session_id)]
     assert roles == ["user", "assistant", "user", "assistant"]
     assert texts(final[CHAT])[-1] == ("assistant", "Echo: second tab says hi")
+
+
+def test_undo_in_a_stale_tab_refreshes_instead_of_acting_on_an_unseen_exchange(server, tab):
+    """Issue #19 item 7: undo in a tab that never showed the last exchange (sent from another tab)."""
+    run(tab, "asked here", api_name="/send")
+    other = Client(server[0], verbose=False)
+    other.predict("", api_name="/search")  # its list, as a page load fills it
+    other.predict(tab.opened, api_name="/open_session")
+    run(other, "asked in the other tab", api_name="/send")
+    refused = tab.predict(api_name="/undo")
+    assert (status(refused), refused[MSG]) == (f"⚠ {STALE}", {"__type__": "update"})  # the box is left alone
+    assert texts(refused[CHAT]) == [("user", "asked here"), ("assistant", "Echo: asked here"),
+                                    ("user", "asked in the other tab"), ("assistant", "Echo: asked in the other tab")]
+    assert len(history(tab, tab.opened)) == 4  # nothing was undone
+    undone = tab.predict(api_name="/undo")  # now the tab shows that exchange: undo acts on it
+    assert (undone[MSG], texts(undone[CHAT])) == ("asked in the other tab",
+                                                  [("user", "asked here"), ("assistant", "Echo: asked here")])
+    assert status(other.predict("Renamed", api_name="/rename")) == f"⚠ {STALE}"  # it did not see the undo
+    run(tab, "one more", api_name="/send")
+    assert status(other.predict(api_name="/delete")) == f"⚠ {STALE}"  # nor this exchange
+    assert (server[1].get(tab.opened).title, len(history(tab, tab.opened))) == ("asked here", 4)
 
 
 def test_a_conversation_deleted_in_another_tab(server, tab):

@@ -7,7 +7,9 @@ Issue: "The Gradio app: a long-document chat people enjoy, tested in a real brow
   - issue #19: remote images in messages and documents fetch nothing (inert text, and the CSP),
     HTML in messages shows as its characters, the small display fixes and ?session=ID; uploads and
     exports are refused by URL once used, a second file with the same text shows its own name,
-    settings survive a restart;
+    settings survive a restart; a second tab follows the first without a reload, an interrupted
+    reply says so and regenerates (sampled), a full conversation continues in a new chat with its
+    documents, a 420 px screen, toasts;
   - the real model (SmolLM2) in a server subprocess: upload a PDF, ask about a fact on its
     last page, stop an answer, restart the server, find the conversation and continue it
     from the cache on disk (the status line says how many tokens were restored).
@@ -420,6 +422,118 @@ def test_settings_are_kept_across_a_restart(page, tmp_path):
             os.environ.pop("GRADIO_TEMP_DIR", None)
         else:
             os.environ["GRADIO_TEMP_DIR"] = gradio_dir
+# ----------------------------------------------------------------------------- issue #19: tabs, crashes, windows
+
+
+def test_a_second_tab_shows_the_first_tabs_exchange_without_a_reload(browser, fake_app):
+    """Item 7: a tab polls the conversation's version and refreshes when another tab changed it."""
+    url, service = fake_app
+    session = service.create("Two tabs")
+    first, second = (browser.new_context(viewport=VIEWPORT).new_page() for _ in range(2))
+    try:
+        for tab in (first, second):
+            tab.set_default_timeout(TIMEOUT_MS)
+            open_app(tab, f"{url}?session={session.id}")
+            expect(tab.locator("#title")).to_contain_text("Two tabs")
+        ask(first, "Asked in the first tab")
+        expect(last_reply(first)).to_have_text("Echo: Asked in the first tab")
+        expect(last_reply(second)).to_have_text("Echo: Asked in the first tab")  # no reload: the timer's check
+        expect(second.locator("#chat [data-testid=user]")).to_have_text(["Asked in the first tab"])
+        second.click("#undo-btn")  # it shows that exchange now, so undo acts on it
+        expect(second.locator("#msg textarea")).to_have_value("Asked in the first tab")
+        expect(first.locator("#chat [data-testid=user]")).to_have_count(0)  # and the first tab follows
+    finally:
+        first.context.close()
+        second.context.close()
+
+
+def test_an_interrupted_reply_says_so_and_regenerates_with_sampling(page, fake_app, shots):
+    """Items 8 and 12: a question stored without its reply (the process died while generating)."""
+    url, service = fake_app
+    session = service.create("Interrupted")
+    for _ in service.send(session.id, "First question"):
+        pass
+    service.store.transcript.add_message(session.id, "user", "Second question")  # then the crash
+    open_app(page, f"{url}?session={session.id}")
+    chat = page.locator("#chat")
+    expect(chat).to_contain_text("Reply interrupted — the app stopped before it finished")
+    expect(status_line(page)).to_contain_text("Reply interrupted — the app stopped before it finished")
+    expect(page.locator("#resume-btn")).to_be_visible()
+    shot(page, shots, "interrupted.png")
+    page.click("#resume-btn")
+    expect(last_reply(page)).to_have_text("Echo: Second question")
+    expect(status_line(page)).to_contain_text("regenerated at temperature 0.7")
+    expect(chat).not_to_contain_text("Reply interrupted")
+    expect(page.locator("#resume-btn")).to_be_hidden()
+    assert service.history(session.id)[-1].stats["regenerated_at"] == 0.7
+
+
+def test_a_full_conversation_continues_in_a_new_chat_with_its_documents(page, fake_app):
+    """Item 13: the error says what filled the window and what to do; the button keeps the documents."""
+    url, service = fake_app
+    window = service.context_window()
+    session = service.create("Full")
+    service.attach_text(session.id, "logbook.txt", "The tide turned at noon. " * ((window - 600) // 25))
+    parent = None
+    for index in range(4):  # earlier turns that fill what is left of the window
+        parent = service.store.transcript.add_message(session.id, "user" if index % 2 == 0 else "assistant",
+                                                      "A long turn about tides. " * 6, parent_id=parent and parent.id)
+    open_app(page, f"{url}?session={session.id}")
+    expect(page.locator("#continue-btn")).to_be_visible()  # the gauge has less room than a reply
+    ask(page, "And the next tide?")
+    expect(status_line(page)).to_contain_text("This conversation has filled the model's context window")
+    expect(status_line(page)).to_contain_text(f"the model reads at most {window:,} at once")
+    expect(status_line(page)).to_contain_text("Continue in a new chat with logbook.txt (")
+    expect(page.locator("#msg textarea")).to_have_value("And the next tide?")  # the question is kept
+    page.click("#continue-btn")
+    expect(page.locator("#title")).to_contain_text("Full (continued)")
+    expect(page.locator("#chips")).to_contain_text("logbook.txt")
+    expect(page.locator("#chat [data-testid=user]")).to_have_count(0)
+    expect(page.locator("#continue-btn")).to_be_hidden()
+    continued = service.list_sessions(limit=1)[0]
+    assert (continued.title, service.history(continued.id)) == ("Full (continued)", [])
+    assert [d.name for d in service.documents(continued.id)] == ["logbook.txt"]
+
+
+def test_the_small_things_a_narrow_screen_toasts_and_the_reply_budget(browser, page, fake_app, tmp_path):
+    """Item 15: at 420 px the chat shows (the sidebar starts closed), toasts leave Attach and
+    Summarize free, and the gauge shows the reply length just applied in Settings."""
+    url, service = fake_app
+    narrow = browser.new_context(viewport={"width": 420, "height": 860}).new_page()
+    try:
+        narrow.set_default_timeout(TIMEOUT_MS)
+        open_app(narrow, url)
+        expect(narrow.locator(".sidebar")).not_to_have_class(re.compile(r"\bopen\b"))
+        expect(narrow.locator("#msg textarea")).to_be_in_viewport()
+    finally:
+        narrow.context.close()
+
+    open_app(page, url)
+    bad = tmp_path / "sheet.xlsx"
+    bad.write_bytes(b"PK\x03\x04 not a document")
+    attach(page, bad)
+    toast = page.locator(".toast-body").last
+    expect(toast).to_contain_text(".xlsx files are not supported")
+    boxes = [page.locator(selector).bounding_box() for selector in ("#upload-btn", "#summarize-btn")]
+    area = toast.bounding_box()
+    assert all(area["y"] >= box["y"] + box["height"] or area["y"] + area["height"] <= box["y"]
+               or area["x"] >= box["x"] + box["width"] or area["x"] + area["width"] <= box["x"] for box in boxes)
+
+    page.get_by_role("tab", name="Settings").click()
+    reply_tokens = page.get_by_label("number input for Max reply tokens")
+    reply_tokens.fill("97")
+    reply_tokens.press("Enter")
+    page.click("#apply-btn")
+    expect(page.locator("#settings-note")).to_contain_text("Sampling changed")
+    page.get_by_role("tab", name="Chat").click()
+    try:
+        expect(page.locator("#gauge")).to_contain_text("(reply up to 97)")
+    finally:
+        page.get_by_role("tab", name="Settings").click()  # the module's other tests expect the old length
+        reply_tokens.fill("150")
+        reply_tokens.press("Enter")
+        page.click("#apply-btn")
+        expect(page.locator("#settings-note")).to_contain_text("Sampling changed")
 
 
 # ----------------------------------------------------------------------------- the real model

@@ -11,6 +11,7 @@ import pytest
 
 from chat.errors import (
     ChatError,
+    ConversationChanged,
     ConversationNotFound,
     ConversationTooLong,
     EngineBusy,
@@ -22,7 +23,8 @@ from chat.errors import (
     StorageUnavailable,
 )
 from chat.render import Renderer
-from chat.service import ChatService
+from chat.config import REGENERATE_TEMPERATURE, REGENERATE_TOP_P
+from chat.service import ChatService, regeneration_sampling
 from spotlight.testing import tiny_engine
 from memory import blobs
 from chat.config import AppConfig
@@ -571,3 +573,150 @@ def test_settings_saved_by_one_service_are_read_after_a_restart(config, tiny):
     second = ChatService(config, _engine=tiny)
     assert second.saved_settings() == {"max_new_tokens": 700, "spotlight_enabled": False}
     second.close()
+# ----------------------------------------------------------------------------- issue #19: tabs, crashes, windows
+
+
+def _with_exchange(service):
+    """A conversation with one exchange and a document; returns (session id, its user message id)."""
+    session = service.create()
+    service.attach_text(session.id, "notes.txt", "The ferry leaves at 7:40.")
+    finish(service.send(session.id, "When does the ferry leave?"))
+    return session.id, service.history(session.id)[0].id
+
+
+MUTATIONS = {  # each mutating action, called with the version a stale tab showed
+    "send": lambda s, sid, mid, seen: finish(s.send(sid, "Another question", seen=seen)),
+    "regenerate": lambda s, sid, mid, seen: finish(s.regenerate(sid, seen=seen)),
+    "edit": lambda s, sid, mid, seen: finish(s.edit(sid, mid, "Edited", seen=seen)),
+    "undo": lambda s, sid, mid, seen: s.undo(sid, seen=seen),
+    "switch_branch": lambda s, sid, mid, seen: s.switch_branch(sid, mid, seen=seen),
+    "switch_version": lambda s, sid, mid, seen: s.switch_version(sid, mid, -1, seen=seen),
+    "rename": lambda s, sid, mid, seen: s.rename(sid, "Renamed", seen=seen),
+    "delete": lambda s, sid, mid, seen: s.delete(sid, seen=seen),
+    "attach": lambda s, sid, mid, seen: s.attach_text(sid, "more.txt", "More notes.", seen=seen),
+    "summarize": lambda s, sid, mid, seen: finish(s.summarize(sid, seen=seen)),
+}
+
+
+@pytest.mark.parametrize("action", sorted(MUTATIONS))
+def test_a_stale_tab_is_refused_by_every_mutating_action(service, action):
+    """Issue #19 item 7: a tab that showed an older version acts on nothing it did not see."""
+    session_id, message_id = _with_exchange(service)
+    stale = service.version(session_id)
+    finish(service.send(session_id, "Asked in another tab"))  # the other tab's exchange
+    before = (service.version(session_id), service.history(session_id), service.documents(session_id),
+              service.get(session_id))
+    with pytest.raises(ConversationChanged) as refused:
+        MUTATIONS[action](service, session_id, message_id, stale)
+    assert str(refused.value) == ("This conversation changed in another tab; it has been refreshed. "
+                                  "Look at it, then try again.")
+    after = (service.version(session_id), service.history(session_id), service.documents(session_id),
+             service.get(session_id))
+    assert after == before  # nothing changed
+    MUTATIONS[action](service, session_id, message_id, service.version(session_id))  # the current version acts
+
+
+def test_changed_tells_a_tab_to_refresh_once_the_other_tabs_reply_is_stored(service):
+    session_id, _ = _with_exchange(service)
+    seen = service.version(session_id)
+    assert service.changed(session_id, seen) is False
+    turns = service.send(session_id, "From the other tab")
+    next(turns)  # a reply is being generated: its question is stored, the reply not yet
+    assert (service.version(session_id) != seen, service.changed(session_id, seen)) == (True, False)
+    finish(turns)
+    assert service.changed(session_id, seen) is True
+    assert service.changed(session_id, service.version(session_id)) is False
+    service.delete(session_id)
+    assert service.changed(session_id, seen) is True  # deleted in another tab: refresh to another
+
+
+def test_an_interrupted_reply_is_found_in_the_stored_transcript_after_a_crash(config, tiny):
+    """Issue #19 item 8: the question was stored, then the process died before its reply."""
+    crashed = ChatService(config, _engine=tiny)
+    session = crashed.create()
+    finish(crashed.send(session.id, "First question"))
+    crashed.store.transcript.add_message(session.id, "user", "Second question")  # what send stores first
+    assert crashed.reply_interrupted(session.id) is True
+    crashed.close()  # the process is gone; a new one opens the same data directory
+    service = ChatService(config, _engine=tiny)
+    try:
+        assert service.reply_interrupted(session.id) is True
+        _, turn = finish(service.regenerate(session.id))
+        assert [m.role for m in service.history(session.id)] == ["user", "assistant", "user", "assistant"]
+        assert (service.history(session.id)[-1].id, service.reply_interrupted(session.id)) == (turn.message_id, False)
+        running = service.send(session.id, "Third question")
+        next(running)
+        assert service.reply_interrupted(session.id) is False  # being generated, not interrupted
+        finish(running)
+    finally:
+        service.close()
+
+
+def test_regenerate_samples_a_different_reply_and_records_its_temperature(service):
+    """Issue #19 item 12: greedy sampling would repeat the reply word for word."""
+    session = service.create()
+    _, first = finish(service.send(session.id, "Tell me a story"))
+    _, again = finish(service.regenerate(session.id))
+    assert again.text != first.text
+    reply = service.history(session.id)[-1]
+    assert (reply.branch, reply.branches, reply.stats["regenerated_at"]) == (1, 2, REGENERATE_TEMPERATURE)
+    assert isinstance(reply.stats["seed"], int) and "regenerated_at" not in service.history(session.id)[0].stats
+    _, greedy_again = finish(service.regenerate(session.id, sampling=service.config.sampling))  # the override
+    assert (greedy_again.text, service.history(session.id)[-1].stats["regenerated_at"]) == (first.text, 0.0)
+    greedy, sampled = SamplingConfig(max_new_tokens=6), SamplingConfig(temperature=1.2, top_p=0.5)
+    regenerated = regeneration_sampling(greedy)
+    assert regenerated == SamplingConfig(max_new_tokens=6, temperature=REGENERATE_TEMPERATURE, top_p=REGENERATE_TOP_P,
+                                         seed=regenerated.seed)
+    assert (REGENERATE_TEMPERATURE, REGENERATE_TOP_P) == (0.7, 0.9)
+    assert (regeneration_sampling(sampled).temperature, regeneration_sampling(sampled).top_p) == (1.2, 0.5)
+    assert len({regeneration_sampling(greedy).seed for _ in range(5)}) > 1  # a fresh seed each time
+
+
+def test_the_context_window_messages_name_the_documents_and_say_what_to_do(service):
+    """Issue #19 item 13: in the user's terms, with thousands separators, no parameter names."""
+    window = service.context_window()
+    session = service.create()
+    service.attach_text(session.id, "harbour-notes.txt", "The tide tables are on the pier. " * 45)  # 1,485 tokens
+    question = "Where are the tide tables? " * 8
+    finish(service.send(session.id, question))
+    with pytest.raises(ConversationTooLong) as full:
+        for _ in range(4):
+            finish(service.send(session.id, question))
+    n_tokens = len(rendered(service, session.id, ("user", question), prompt=True))
+    assert n_tokens > window
+    assert str(full.value) == (
+        f"This conversation has filled the model's context window: it comes to {n_tokens:,} tokens, and the model "
+        f"reads at most {window:,} at once (about 5 pages). Continue in a new chat with harbour-notes.txt "
+        "(1,485 tokens) (the button under the message box), or choose a model with a larger window in Settings.")
+    assert full.value.fresh_chat_fits is True
+
+    long_question = "Is this too long? " * 40
+    with pytest.raises(ConversationTooLong) as too_long:
+        finish(service.send(service.create().id, long_question * 3))
+    assert too_long.value.fresh_chat_fits is False
+    assert str(too_long.value).startswith("Your message is too long for this model: the conversation would come "
+                                          "to 2,")
+    other = service.create()
+    service.attach_text(other.id, "harbour-notes.txt", "The tide tables are on the pier. " * 45)
+    with pytest.raises(ConversationTooLong) as document:
+        finish(service.send(other.id, long_question))
+    n_tokens = len(rendered(service, other.id, ("user", long_question), prompt=True))
+    assert (str(document.value), document.value.fresh_chat_fits) == (
+        f"harbour-notes.txt (1,485 tokens) is too long for this model: with the conversation it comes to "
+        f"{n_tokens:,} tokens, and the model reads at most {window:,} at once (about 5 pages). Attach a shorter "
+        "excerpt, or choose a model with a larger window in Settings.", False)
+
+
+def test_continue_in_a_new_chat_keeps_the_documents_and_drops_the_messages(service):
+    session_id, _ = _with_exchange(service)
+    service.attach_text(session_id, "second.txt", "Tickets are sold on board.")
+    finish(service.send(session_id, "Where are tickets sold?"))  # its prefix (both documents) is stored now
+    service.rename(session_id, "Ferry times")
+    continued = service.continue_in_new_chat(session_id)
+    assert (continued.title, continued.system_prompt) == ("Ferry times (continued)", "Be brief.")
+    assert service.documents(continued.id) == service.documents(session_id)
+    assert (service.history(continued.id), len(service.history(session_id))) == ([], 4)
+    prefix = len(rendered(service, continued.id))  # the system message with both documents
+    service.close()  # nothing warm in memory: the new chat finds the documents' cache on disk
+    _, turn = finish(service.send(continued.id, "When does it leave?"))
+    assert (turn.cached_tokens, turn.restored_tokens) == (prefix, prefix)

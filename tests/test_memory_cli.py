@@ -49,7 +49,7 @@ def test_clean_store_exits_0_and_says_what_it_checked(root):
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout.splitlines() == [
         f"Spotlight Chat store at {root}",
-        "  schema version   4 (this Spotlight Chat knows 4)",
+        "  schema version   5 (this Spotlight Chat knows 5)",
         "  integrity check  ok",
         "  foreign keys     0 violations",
         "  sessions         1",

@@ -98,8 +98,9 @@ def test_migrations_apply_in_order_and_are_recorded(store, config):
         ("kvstore", "m002_full_text_search"),
         ("kvstore", "m003_span_key_columns"),
         ("kvstore", "m004_attachment_names_and_settings"),
+        ("kvstore", "m005_session_versions"),
     ]
-    assert conn.execute("PRAGMA user_version").fetchone() == (4,)
+    assert conn.execute("PRAGMA user_version").fetchone() == (5,)
     assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -127,6 +128,7 @@ def test_pending_migration_runs_on_open_and_indexes_old_rows(config, clock):
         ("m002_full_text_search",),
         ("m003_span_key_columns",),
         ("m004_attachment_names_and_settings",),
+        ("m005_session_versions",),
     ]
 
 
@@ -141,14 +143,14 @@ def test_newer_schema_is_refused_and_left_untouched(config, clock, future):
     if future == "migration":
         conn.execute(
             "INSERT INTO _sqlite_migrations (migration_set, name, applied_at) "
-            "VALUES ('kvstore', 'm005_from_the_future', 'later')"
+            "VALUES ('kvstore', 'm006_from_the_future', 'later')"
         )
-    conn.execute("PRAGMA user_version = 5")
+    conn.execute("PRAGMA user_version = 6")
     conn.commit()
     conn.close()
     (config.spans_dir / ".leftover.safetensors.tmp").write_bytes(b"partial")
     before = _snapshot(config.root)
-    with pytest.raises(SchemaTooNew, match="has schema version 5 .* knows only 4; upgrade Spotlight Chat"):
+    with pytest.raises(SchemaTooNew, match="has schema version 6 .* knows only 5; upgrade Spotlight Chat"):
         Store(config, clock=clock)
     assert _snapshot(config.root) == before
 
@@ -191,6 +193,35 @@ def test_session_crud(store):
     assert [s.title for s in store.transcript.list_sessions(limit=5, offset=1)] == ["Second"]
     store.transcript.delete_session(second.id)
     assert store.transcript.list_sessions() == [renamed]
+
+
+def test_session_version_moves_with_every_change_a_tab_shows(store):
+    """Issue #19 item 7: a tab compares the version it showed with this one."""
+    transcript = store.transcript
+    session, other = transcript.create_session("Versions"), transcript.create_session("Other")
+    seen = [transcript.session_version(session.id)]
+    user = transcript.add_message(session.id, "user", "Hi")
+    seen.append(transcript.session_version(session.id))
+    reply = transcript.add_message(session.id, "assistant", "Hello")
+    seen.append(transcript.session_version(session.id))
+    transcript.add_sibling(reply.id, "Hello again")
+    seen.append(transcript.session_version(session.id))
+    transcript.switch_branch(reply.id)
+    seen.append(transcript.session_version(session.id))
+    transcript.set_message_metadata(user.id, {"undone": True})
+    seen.append(transcript.session_version(session.id))
+    transcript.update_session(session.id, title="Renamed")
+    seen.append(transcript.session_version(session.id))
+    transcript.add_document("notes.txt", "Some notes.", session_id=session.id)
+    seen.append(transcript.session_version(session.id))
+    transcript.copy_documents(session.id, other.id)
+    assert seen == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert (transcript.session_version(session.id), transcript.session_version(other.id)) == (7, 1)
+    assert [d.name for d in transcript.session_documents(other.id)] == ["notes.txt"]
+    assert transcript.active_path(other.id) == []
+    transcript.delete_session(session.id)
+    with pytest.raises(SessionNotFound):
+        transcript.session_version(session.id)
 
 
 def test_unknown_session_is_named_and_helpful(store):

@@ -108,7 +108,7 @@ def test_an_evicted_conversation_answers_the_same(engine, tmp_path):
     first.close()
 
     second = make(tmp_path, engine, budget=budget)
-    again = finish(second.regenerate(a))  # the same prompt as `before`, cold
+    again = finish(second.regenerate(a, sampling=second.config.sampling))  # the same prompt as `before`, cold, greedy
     assert again.text == before.text
     assert any("evicted to stay within the disk budget" in notice for notice in again.notices)
     assert again.prefill_tokens > 1
@@ -183,7 +183,7 @@ def test_a_model_fingerprint_change_recomputes_and_says_so(tiny, tmp_path):
     first.close()
     other = tiny_engine(seed=3, prefill_chunk=32, fingerprint="another-model-build")
     second = make(tmp_path, other)
-    again = finish(second.regenerate(session_id))
+    again = finish(second.regenerate(session_id, sampling=second.config.sampling))  # greedy, as `turn` was
     assert any("computed with another model" in notice and "another-model-build" in notice
                for notice in again.notices)
     assert (again.cached_tokens, again.restored_tokens) == (0, 0)  # nothing reused
