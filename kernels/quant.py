@@ -13,7 +13,8 @@ never quantized. `dequantize_into(qm, out)` writes fp32 rows bit-identical to gg
 The block layouts, the kernels and why they are shaped as they are: kernels/quant_cpu.py;
 measurements: docs/notes-quant.md. `QuantMatVec(qm)` binds one matrix for repeated one-row
 products and runs kernels/quant.c (built by `make setup` into kernels/_quant.so, AVX2 + FMA,
-~2x the numba kernels) where the library is built and has the format, else the numba kernel.
+~2x the numba kernels; rows split over kernels.set_threads(n) OpenMP threads) where the library
+is built and has the format, else the numba kernel.
 """
 from __future__ import annotations
 
@@ -237,11 +238,16 @@ def _load_library(path: Path = LIBRARY):
     lib.quant_simd.restype = ctypes.c_int
     lib.quant_has_simd.argtypes = [ctypes.c_int]
     lib.quant_has_simd.restype = ctypes.c_int
+    if hasattr(lib, "quant_matvec_threads"):  # a library built before it has one thread only
+        lib.quant_matvec_threads.argtypes = lib.quant_matvec.argtypes + [ctypes.c_int]
+        lib.quant_matvec_threads.restype = ctypes.c_int
     return lib, ""
 
 
 _LIB, C_MISSING = _load_library()  # C_MISSING: why the C kernels are unavailable ("" when loaded)
 C_SIMD = bool(_LIB is not None and _LIB.quant_simd())  # the library was built with AVX2 + FMA + F16C
+# the library splits rows over kernels.set_threads(n) OpenMP threads (built with -fopenmp)
+C_THREADS = bool(_LIB is not None and hasattr(_LIB, "quant_openmp") and _LIB.quant_openmp())
 
 
 def c_supports(qtype: str) -> bool:
@@ -261,7 +267,8 @@ class QuantMatVec:
 
     Runs quant.c's kernel with `backend="c"`, or with "auto" where the library has a SIMD kernel
     for the format (c_is_fast); else kernels.quant.matvec (numba). `scalar=True` forces the C library's scalar fallback (tests).
-    A call checks only x and out (~1 µs through ctypes). The C path is single-threaded.
+    A call checks only x and out (~1 µs through ctypes). The C path splits the rows over
+    kernels.set_threads(n) threads (OpenMP inside quant.c, C_THREADS), bit-identical for every n.
     """
 
     def __init__(self, qm: QuantMatrix, bias=None, backend: str = "auto", scalar: bool = False):
@@ -293,4 +300,8 @@ class QuantMatVec:
 
     def call(self, x_ptr: int, out_ptr: int) -> None:
         """The C product on raw addresses of float32 x (E,) and out (F,) that the caller has checked."""
-        _LIB.quant_matvec(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar)
+        count = threads()
+        if count > 1 and C_THREADS:
+            _LIB.quant_matvec_threads(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar, count)
+        else:
+            _LIB.quant_matvec(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar)
