@@ -215,6 +215,34 @@ def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | Non
     return dest
 
 
+def quantize_q8_0(weights, name: str = "<fp32>", chunk_rows: int = 4096) -> QuantMatrix:
+    """An fp32 matrix W (F, E) as Q8_0 blocks, byte for byte what gguf.quants.quantize writes (the
+    same fp32 operations: d = max|w| / 127, q = round-half-away(w / d) as w * (1 / d), d stored as
+    fp16). E must be a multiple of 32. Rows are done `chunk_rows` at a time (bounded temporaries)."""
+    w = as_numpy(weights)
+    if w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError(f"{name}: Q8_0 quantization needs a float32 (F, E) matrix, got {w.dtype} {w.shape}")
+    rows, cols = w.shape
+    fmt = FORMATS["Q8_0"]
+    if cols % fmt.values:
+        raise ValueError(f"{name}: Q8_0 needs a column count that is a multiple of {fmt.values}, got {cols}")
+    per_row = cols // fmt.values
+    out = np.empty((rows, per_row, fmt.block_bytes), np.uint8)  # (F, S, R)
+    for start in range(0, rows, chunk_rows):
+        blocks = w[start:start + chunk_rows].reshape(-1, fmt.values)  # (n, 32)
+        d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)  # (n, 1) fp32
+        with np.errstate(divide="ignore"):
+            inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        scaled = blocks * inverse
+        magnitude = np.abs(scaled)
+        floored = np.floor(magnitude)
+        q = np.sign(scaled) * (floored + np.floor(2 * (magnitude - floored)))  # gguf's np_roundf
+        view = out[start:start + chunk_rows].reshape(-1, fmt.block_bytes)
+        view[:, :2] = d.astype(np.float16).view(np.uint8)
+        view[:, 2:] = q.astype(np.int8).view(np.uint8)
+    return QuantMatrix(name, "Q8_0", rows, cols, out.reshape(rows, per_row * fmt.block_bytes))
+
+
 # ------------------------------------------------------------------ the compiled kernels (quant.c)
 # `make setup` builds kernels/quant.c into kernels/_quant.so (cc -O3 -march=native); without it
 # (no compiler, a failed build) every product runs on the numba kernels above.

@@ -36,7 +36,7 @@ from .generate import Context, ProgressFn, Step, prefill, stream
 from .model import Transformer, build_model
 from .observers import StepObserver
 from .onerow import use_onerow_linear
-from .quantized import build_quantized_model
+from .quantized import build_quantized_model, quantize_to_q8_0
 from .tokens import PieceTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +91,8 @@ class Engine:
             model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype],
                                 device=config.device)
         use_onerow_linear(model)  # decode steps' weight products on the one-row kernel (spotlight/onerow.py)
+        if config.quantize == "q8_0" and source.gguf_file is None and wants_quantized(config):
+            quantize_to_q8_0(model)  # a Hugging Face model's linears into Q8_0 blocks (--quantize q8_0)
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
             encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)

@@ -450,6 +450,37 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs) -> tuple[nn.Module, 
     return model.eval().requires_grad_(False), QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
 
 
+QUANTIZE_MODULES = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
+
+
+def quantize_to_q8_0(model: nn.Module) -> QuantizedSwap:
+    """`--quantize q8_0` for a Hugging Face model: every layer linear and the output projection
+    quantized at load into Q8_0 blocks (kernels.quant.quantize_q8_0, gguf's own bytes), in place.
+    Decode reads the blocks with the same kernels as a GGUF's (~27 % of the fp32 bytes); prefill
+    dequantises into one shared buffer. A tied output keeps using the fp32 embedding (kept anyway
+    for the lookup) in prefill. A matrix whose width is not a multiple of 32 stays fp32."""
+    scratch = DequantBuffer()
+    swapped, kept, nbytes = [], [], 0
+    targets = [f"layers.{i}.{m}" for i in range(len(model.layers)) for m in QUANTIZE_MODULES] + ["output"]
+    tied = model.output.weight is model.tok_embeddings.weight
+    for path in targets:
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        try:
+            matrix = quant.quantize_q8_0(old.weight.detach(), path)
+        except ValueError as error:
+            kept.append(f"{path}: {error}")
+            log.warning("%s stays fp32: %s", path, error)
+            continue
+        dense = old.weight.detach() if path == "output" and tied else None
+        setattr(parent, attr, QuantLinear([matrix], old.bias, scratch, dense))
+        swapped.append(path)
+        nbytes += matrix.nbytes
+    release_freed_memory()
+    return QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
+
+
 def release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc's malloc_trim). NOTE: the replaced fp32 weights
     (1-7 MB each) sit in malloc's heap after they are freed; without this a quantized SmolLM2

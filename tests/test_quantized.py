@@ -378,3 +378,49 @@ def test_file_that_is_not_gguf_raises_corrupt_tensor(tiny_pair, tmp_path):
     header.write_bytes(path.read_bytes()[:40])
     with pytest.raises(CorruptTensor, match="ends inside its header"):
         use_quantized_linear(copy.deepcopy(fp32), header, fp32.args)
+
+
+# ------------------------------------------------------------- --quantize q8_0 (Hugging Face models)
+Q8_TOLERANCE = 2e-2  # || q8_0 - fp32 || / || fp32 || of logits: Q8_0 rounds each weight to 1/254 of its block's max
+
+
+def test_quantize_q8_0_writes_gguf_s_bytes():
+    from kernels.quant import quantize_q8_0
+
+    rng = np.random.default_rng(0)
+    weights = (rng.standard_normal((37, 96)) * rng.uniform(1e-3, 10, (37, 1))).astype(np.float32)  # (F, E)
+    weights[3, 32:64] = 0  # an all-zero block: d = 0
+    weights[5, :32] = np.linspace(-127, 127, 32, dtype=np.float32) / 2  # ties at .5: rounded away from zero
+    qm = quantize_q8_0(weights, "w", chunk_rows=8)  # 8: several chunks and a short last one
+    assert (qm.qtype, qm.rows, qm.cols) == ("Q8_0", 37, 96)
+    np.testing.assert_array_equal(qm.blocks, quantize(weights, Q.Q8_0))
+    with pytest.raises(ValueError, match="multiple of 32, got 40"):
+        quantize_q8_0(np.zeros((2, 40), np.float32))
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))  # qwen2: q/k/v biases
+def test_quantize_to_q8_0_decodes_close_to_fp32(arch):
+    from conftest import tiny_pair as hf_pair
+    from spotlight.quantized import quantize_to_q8_0
+
+    _, fp32 = hf_pair(arch, seed=5)
+    model = copy.deepcopy(fp32)
+    swap = quantize_to_q8_0(model)
+    layers = fp32.args.n_layers
+    assert len(swap.swapped) == 4 * layers + 1 and swap.kept_fp32 == ()
+    wqkv = model.layers[0].attention.wqkv
+    assert isinstance(wqkv, QuantLinear) and wqkv.qtypes == ("Q8_0",)
+    np.testing.assert_array_equal(wqkv.parts[0].blocks,
+                                  quantize(fp32.layers[0].attention.wqkv.weight.numpy(), Q.Q8_0))
+    assert (wqkv.bias is None) == (arch == "llama")
+    prompt = torch.arange(3, 30)
+    want_prefill, want = run(fp32, prompt, [7, 8, 9])
+    got_prefill, got = run(model, prompt, [7, 8, 9])
+    errors = [relative(g, w) for g, w in zip([got_prefill] + got, [want_prefill] + want)]
+    assert 0 < max(errors) <= Q8_TOLERANCE, errors  # > 0: the weights really changed
+
+
+def test_engine_config_validates_quantize():
+    assert EngineConfig().quantize is None and EngineConfig(quantize="q8_0").quantize == "q8_0"
+    with pytest.raises(ValueError, match="quantize must be one of q8_0 or None; got 'q4_0'"):
+        EngineConfig(quantize="q4_0")
