@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from memory.config import StoreConfig
-from spotlight.config import WEIGHTS, EngineConfig, SamplingConfig, SpotlightConfig, default_home
+from spotlight.config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home
 
-__all__ = ["WEIGHTS", "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig"]
+__all__ = ["QUANTIZE", "QUANTIZE_HELP", "WEIGHTS", "WEIGHTS_HELP", "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig"]
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,13 @@ def default_home() -> Path:
 
 WEIGHTS = ("quantized", "fp32")  # EngineConfig.weights
 QUANTIZE = ("q8_0",)  # EngineConfig.quantize
+# What each choice costs, in the words of `--help` and the Settings tab (SmolLM2-135M's numbers:
+# docs/notes-quant.md).
+WEIGHTS_HELP = ("a GGUF's weights: quantized (default) decodes from the file's blocks, no fp32 copy (~1/5 of the "
+                "bytes per token, ~0.5 GB peak at load); fp32 first writes a dequantised copy (~4x the GGUF on disk, "
+                "a slower first start, ~1.7 GB peak) and reads ~5x the bytes per token")
+QUANTIZE_HELP = ("q8_0: quantize a Hugging Face model's linears at load (seconds; the load still peaks at the fp32 "
+                 "size) so decode reads ~1/4 of the fp32 bytes per token; logits move by ~1e-2 relative (default: off)")
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ def test_cli_help_lists_commands_and_options():
     assert out.returncode == 0 and b"chat" in out.stdout and b"generate" in out.stdout
     out = cli("generate", "--help")
     assert out.returncode == 0 and b"--prompt-file" in out.stdout and b"--temperature" in out.stdout
+    help_text = b" ".join(out.stdout.split())  # argparse wraps lines
+    assert b"--quantize {q8_0}" in help_text and b"no fp32 copy" in help_text and b"1/4 of the fp32 bytes" in help_text
 
 
 def test_cli_non_utf8_prompt_file_is_a_clear_error(tmp_path):
