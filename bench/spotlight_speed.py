@@ -86,10 +86,18 @@ def weight_pass_bandwidth(model, repeats: int = 5) -> dict[int, float]:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every matrix a decode step reads (the tied embedding is read once, as the head)."""
+    """Bytes of every matrix a decode step reads (the tied embedding is read once, as the head);
+    a QuantLinear's are its GGUF blocks (spotlight/quantized.py)."""
+    from spotlight.quantized import QuantLinear
+
     seen, total = set(), 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+        if isinstance(module, QuantLinear):
+            for part in module.parts:
+                if id(part.blocks) not in seen:
+                    seen.add(id(part.blocks))
+                    total += part.nbytes
+        elif isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             total += module.weight.numel() * module.weight.element_size()
     return total
@@ -161,6 +169,18 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def llama_cpp_model(n_ctx: int):
+    """llama-cpp-python's Llama on the packaged GGUF as every llama.cpp row here runs it: every
+    core for decode and prompt, llama.cpp's own batch (512), flash attention on (its fastest
+    long-context CPU setting)."""
+    from llama_cpp import Llama
+
+    from spotlight.loading import default_gguf
+
+    return Llama(model_path=str(default_gguf()), n_ctx=n_ctx, n_threads=os.cpu_count(),
+                 n_threads_batch=os.cpu_count(), n_batch=512, flash_attn=True, verbose=False)
+
+
 def run_llama_cpp(contexts: list[int], steps: int) -> list[dict]:
     """llama.cpp (llama-cpp-python, `make bench-deps`) on the packaged GGUF: for each context, the
     prompt-processing speed of a random-token prompt of that length, then the median decode step.
@@ -170,14 +190,9 @@ def run_llama_cpp(contexts: list[int], steps: int) -> list[dict]:
     """
     import random
 
-    from llama_cpp import Llama
-
-    from spotlight.loading import default_gguf
-
     rows = []
     for n in contexts:
-        llm = Llama(model_path=str(default_gguf()), n_ctx=n + 2 * steps + 8, n_threads=os.cpu_count(),
-                    n_threads_batch=os.cpu_count(), n_batch=512, flash_attn=True, verbose=False)
+        llm = llama_cpp_model(n + 2 * steps + 8)
         rng = random.Random(n)
         prompt = [rng.randrange(100, llm.n_vocab()) for _ in range(n)]
         start = time.perf_counter()
