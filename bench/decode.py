@@ -2,7 +2,7 @@
 
 Part `engine` (issues #2, #20): prefill and decode tokens/s of our engine (quantized weights at
 1 and 2 kernel threads; `--weights fp32|both` for the fp32 copy), of transformers' `generate` and
-of llama.cpp (llama-cpp-python, every core, when installed) on the same model and prompt (Paul
+of llama.cpp (its llama-bench, every core, when `make bench-deps` built it) on the same model and prompt (Paul
 Graham essays cut to each context length), greedy, a fixed number of new tokens; each engine in
 its own long-lived subprocess (so each peak RSS is its own), all taking turns on every context.
 Each row also gives the bytes a decode step reads (weights as each path stores them + K/V of
@@ -27,7 +27,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.common import Target, finish, log, parser, peak_rss_mb
+from bench.common import ROOT, Target, finish, log, parser, peak_rss_mb
 
 FULL = {"contexts": [1024, 4096, 8192], "new_tokens": 32, "repeats": 5}
 QUICK = {"contexts": [512, 1024], "new_tokens": 8, "repeats": 2}
@@ -129,38 +129,57 @@ class TransformersRunner:
                 "bytes_per_token": self.weight_bytes + n * kv_bytes_per_token(self.args, 4)}
 
 
+LLAMA_BENCH = Path(os.environ.get("LLAMA_BENCH", ROOT / ".bench-cache" / "llama-build" / "bin" / "llama-bench"))
+
+
+def llama_bench_available() -> bool:
+    """llama.cpp's llama-bench as `make bench-deps` builds it (or $LLAMA_BENCH)."""
+    return LLAMA_BENCH.is_file() and os.access(LLAMA_BENCH, os.X_OK)
+
+
 class LlamaCppRunner:
-    """llama.cpp (llama-cpp-python) on the same GGUF, as bench.spotlight_speed runs it (every core,
-    flash attention), on the same token ids (our tokenizer: the GGUF's vocabulary); loaded once
-    with room for the longest context. Its K/V cache is f16; a step reads every tensor of the file."""
+    """llama.cpp's own benchmark tool (llama-bench) on the same GGUF, every core, flash attention,
+    f16 K/V: prefill = its `pp` test of the prompt length from an empty cache; decode = its `tg`
+    test of new_tokens - 1 tokens at depth n - new_tokens (the cache filled first, untimed), one
+    repetition each (the worker's turns give the repeats). NOTE: llama-cpp-python is not used:
+    it cannot be imported here (its llama_cache module needs `diskcache`, not installed)."""
 
     def __init__(self, n_ctx: int):
-        from bench.spotlight_speed import llama_cpp_model
-        from spotlight import loading
-        from spotlight.config import default_home
-        from spotlight.quantized import read_gguf_tensors
+        from spotlight.loading import default_gguf
 
-        source = loading.resolve(None, default_home(), fp32_weights=False)
-        self.tokenizer = loading.load_tokenizer(source)
-        _, self.args = loading.load_config(source)
-        tensors, _ = read_gguf_tensors(source.gguf_file)
-        self.weight_bytes = sum(t.data.nbytes for t in tensors.values())
-        self.llm = llama_cpp_model(n_ctx)
+        self.gguf = default_gguf()
         self.measure(WARM_UP_TOKENS + 2, 2)  # the same warm-up as ours
 
+    def _bench(self, prompt: int, gen: int, depth: int) -> dict:
+        import subprocess
+
+        cmd = [str(LLAMA_BENCH), "-m", str(self.gguf), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
+               "-t", str(os.cpu_count()), "-fa", "on", "-r", "1", "-o", "json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+        (result,) = json.loads(out.stdout)
+        return result
+
     def measure(self, n: int, new_tokens: int) -> dict:
-        ids = essay_ids(self.tokenizer, n)
-        prompt, following = ids[: n - new_tokens], ids[n - new_tokens:]
-        self.llm.reset()
-        started = time.perf_counter()
-        self.llm.eval(prompt)
-        prefill = time.perf_counter() - started
-        started = time.perf_counter()
-        for token in following[: new_tokens - 1]:  # new_tokens - 1 decode forwards, as ours counts them
-            self.llm.eval([token])
-        decode = time.perf_counter() - started
-        return {"prefill_tps": len(prompt) / prefill, "decode_tps": (new_tokens - 1) / decode,
-                "bytes_per_token": self.weight_bytes + n * kv_bytes_per_token(self.args, 2)}
+        prompt = n - new_tokens
+        pp = self._bench(prompt, 0, 0)
+        tg = self._bench(0, new_tokens - 1, prompt)
+        kv = tg["n_depth"] + new_tokens  # f16 K and V (type_k / type_v) of the cached tokens
+        return {"prefill_tps": pp["avg_ts"], "decode_tps": tg["avg_ts"],
+                "bytes_per_token": tg["model_size"] + kv * self.kv_bytes_per_token()}
+
+    @functools.cache
+    def kv_bytes_per_token(self) -> int:
+        from spotlight import loading
+        from spotlight.config import default_home
+
+        _, args = loading.load_config(loading.resolve(None, default_home(), fp32_weights=False))
+        return kv_bytes_per_token(args, 2)
+
+    def peak_rss_mb(self) -> float:
+        """The largest llama-bench process's peak RSS (this worker's children)."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
 _RUNNER = None  # the worker process's runner (see `Worker`)
@@ -182,6 +201,11 @@ def _measure(n: int, new_tokens: int) -> dict:
     return _RUNNER.measure(n, new_tokens)
 
 
+def _runner_peak_rss_mb() -> float:
+    """The runner's own peak RSS where it runs another program (llama-bench), else this process's."""
+    return _RUNNER.peak_rss_mb() if hasattr(_RUNNER, "peak_rss_mb") else peak_rss_mb()
+
+
 class Worker:
     """One engine in its own long-lived process (so each peak RSS is its own), measured on request."""
 
@@ -197,7 +221,7 @@ class Worker:
         return row
 
     def peak_rss_mb(self) -> float:
-        return self._pool.submit(peak_rss_mb).result()
+        return self._pool.submit(_runner_peak_rss_mb).result()
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -238,11 +262,11 @@ def engine_part(sizes: dict, weights: str = "quantized"):
     slow spell of the shared machine lands on all and drops out of the ratios. One row per
     (context, path): tok/s, bytes read per decode step, measured/floor, and the decode ratios to
     transformers and llama.cpp."""
-    from bench.spotlight_speed import llama_cpp_available, measure_bandwidth
+    from bench.spotlight_speed import measure_bandwidth
 
     bandwidth = max(measure_bandwidth().values())  # bytes/s, before any engine loads
     ours = OURS_KINDS[weights]
-    kinds = list(ours) + ["transformers"] + (["llama.cpp"] if llama_cpp_available() else [])
+    kinds = list(ours) + ["transformers"] + (["llama.cpp"] if llama_bench_available() else [])
     n_ctx = max(sizes["contexts"]) + sizes["new_tokens"] + 8
     workers = [Worker(kind, n_ctx) for kind in kinds]
     try:
@@ -296,8 +320,8 @@ def engine_part(sizes: dict, weights: str = "quantized"):
         f"{sizes['repeats']} times each in alternating order, and each side's best prefill and best decode "
         f"tokens/s count (ours reuses its K/V memory across requests: a context's buffers come from the engine's "
         f"BufferPool, filled when the previous request's context was dropped; transformers allocates its cache per "
-        f"call). llama.cpp: llama-cpp-python, {os.cpu_count()} threads, flash attention, f16 K/V, fed the same "
-        f"token ids. MB read / token: the weights as each path stores them (ours quantized: the GGUF's blocks; fp32 "
+        f"call). llama.cpp: its llama-bench ({LLAMA_BENCH.name}), {os.cpu_count()} threads, flash attention, f16 "
+        f"K/V, prompt and depth of the same lengths (its own random tokens: speed does not depend on them). MB read / token: the weights as each path stores them (ours quantized: the GGUF's blocks; fp32 "
         f"and transformers: fp32 matrices; llama.cpp: every tensor of the file) + K/V of the context (fp32; "
         f"llama.cpp f16); floor = that / {bandwidth / 1e9:.1f} GB/s, the fastest 1- or 2-thread streaming read "
         f"measured in this run. Peak RSS: " + ", ".join(f"{kind} {mb:.0f} MiB" for kind, mb in rss.items()) + "."

@@ -169,18 +169,6 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def llama_cpp_model(n_ctx: int):
-    """llama-cpp-python's Llama on the packaged GGUF as every llama.cpp row here runs it: every
-    core for decode and prompt, llama.cpp's own batch (512), flash attention on (its fastest
-    long-context CPU setting)."""
-    from llama_cpp import Llama
-
-    from spotlight.loading import default_gguf
-
-    return Llama(model_path=str(default_gguf()), n_ctx=n_ctx, n_threads=os.cpu_count(),
-                 n_threads_batch=os.cpu_count(), n_batch=512, flash_attn=True, verbose=False)
-
-
 def run_llama_cpp(contexts: list[int], steps: int) -> list[dict]:
     """llama.cpp (llama-cpp-python, `make bench-deps`) on the packaged GGUF: for each context, the
     prompt-processing speed of a random-token prompt of that length, then the median decode step.
@@ -190,9 +178,14 @@ def run_llama_cpp(contexts: list[int], steps: int) -> list[dict]:
     """
     import random
 
+    from llama_cpp import Llama
+
+    from spotlight.loading import default_gguf
+
     rows = []
     for n in contexts:
-        llm = llama_cpp_model(n + 2 * steps + 8)
+        llm = Llama(model_path=str(default_gguf()), n_ctx=n + 2 * steps + 8, n_threads=os.cpu_count(),
+                    n_threads_batch=os.cpu_count(), n_batch=512, flash_attn=True, verbose=False)
         rng = random.Random(n)
         prompt = [rng.randrange(100, llm.n_vocab()) for _ in range(n)]
         start = time.perf_counter()
