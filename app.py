@@ -36,7 +36,7 @@ from chat.api import ApiConfig  # noqa: E402
 from chat.errors import ChatError, ConversationChanged, ModelUnavailable, NotFoundError  # noqa: E402
 from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
-from chat.config import WEIGHTS, AppConfig, EngineConfig  # noqa: E402
+from chat.config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, AppConfig, EngineConfig  # noqa: E402
 
 # Gradio's own sweep of its temporary folder (every 10 minutes, files older than an hour): a backstop
 # for what chat/ does not delete itself (uploads are deleted once read, exports at the next export)
@@ -350,7 +350,8 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
     with gr.Tab("Settings"):
         settings = (
             gr.Textbox(form.model_path, label="Model path", placeholder="empty: the bundled SmolLM2-135M-Instruct",
-                       info="A .gguf file or a Hugging Face directory (Llama, Qwen2, Mistral)."),
+                       info="A .gguf file or a Hugging Face directory (Llama, Qwen2, Mistral). Weights (--weights): "
+                            + WEIGHTS_HELP + ". --quantize " + QUANTIZE_HELP + "."),
             gr.Slider(0.0, 2.0, form.temperature, step=0.05, label="Temperature (0 = greedy)"),
             gr.Slider(0.05, 1.0, form.top_p, step=0.05, label="Top-p"),
             gr.Slider(1, 2048, form.max_new_tokens, step=1, label="Max reply tokens"),
@@ -797,8 +798,8 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
-    p.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights,
-                   help="a GGUF's decode weights: quantized (read as stored) or fp32 (default: quantized)")
+    p.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights, help=WEIGHTS_HELP)
+    p.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest reply in tokens (default: 256)")
     p.add_argument("--password", default=os.environ.get(PASSWORD_ENV),
                    help=f"require this password (any user name); default: ${PASSWORD_ENV}. Use it on a LAN")
@@ -815,7 +816,8 @@ def parse_args(argv=None):
 def startup_config(args, saved: dict) -> AppConfig:
     """What the app starts with: the defaults, the settings saved from the Settings tab over them
     (`saved`, ChatService.saved_settings), and what the command line names over those."""
-    config = ui.saved_config(AppConfig(engine=EngineConfig(weights=args.weights), host=args.host, port=args.port),
+    config = ui.saved_config(AppConfig(engine=EngineConfig(weights=args.weights, quantize=args.quantize),
+                                       host=args.host, port=args.port),
                              saved)
     if args.model is not None:
         config = config.with_(engine=replace(config.engine, model_path=args.model))

@@ -1,9 +1,13 @@
 """Decode speed: our engine vs transformers, and Spotlight vs dense at long contexts.
 
-Part `engine` (issue #2): prefill and decode tokens/s of our engine and of transformers'
-`generate` on the same model and prompt (Paul Graham essays cut to each context length),
-greedy, a fixed number of new tokens; each engine in its own long-lived subprocess (so each
-peak RSS is its own), the two taking turns on every context.
+Part `engine` (issues #2, #20): prefill and decode tokens/s of our engine (quantized weights at
+1 and 2 kernel threads; `--weights fp32|both` for the fp32 copy), of transformers' `generate` and
+of llama.cpp (its llama-bench, every core, when `make bench-deps` built it) on the same model and prompt (Paul
+Graham essays cut to each context length), greedy, a fixed number of new tokens; each engine in
+its own long-lived subprocess (so each peak RSS is its own), all taking turns on every context.
+Each row also gives the bytes a decode step reads (weights as each path stores them + K/V of
+the context) and measured/floor, floor = those bytes / the streaming read bandwidth measured in
+the same run (bench.spotlight_speed.measure_bandwidth).
 
 Part `spotlight` (issue #3): decode tokens/s of our dense path and of Spotlight at 8K, 32K
 and 128K cached tokens, each beside its bytes-moved floor (weights + KV rows or codes +
@@ -19,10 +23,11 @@ import concurrent.futures as futures
 import functools
 import json
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
-from bench.common import Target, finish, log, parser, peak_rss_mb
+from bench.common import ROOT, Target, finish, log, parser, peak_rss_mb
 
 FULL = {"contexts": [1024, 4096, 8192], "new_tokens": 32, "repeats": 5}
 QUICK = {"contexts": [512, 1024], "new_tokens": 8, "repeats": 2}
@@ -46,15 +51,23 @@ def _essay_tokens(tokenizer) -> tuple[int, ...]:
     return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
+def kv_bytes_per_token(args, element_bytes: int) -> int:
+    """K + V bytes of one cached token over every layer and KV head."""
+    return args.n_layers * args.n_kv_heads * 2 * args.head_dim * element_bytes
+
+
 class OursRunner:
     """Our engine (dense decode), loaded and warmed up once; `measure` runs one context.
-    weights: EngineConfig.weights ("quantized": the GGUF's blocks in decode; "fp32")."""
+    weights: EngineConfig.weights ("quantized": the GGUF's blocks in decode; "fp32");
+    kernel_threads: EngineConfig.kernel_threads."""
 
-    def __init__(self, weights: str = "quantized"):
+    def __init__(self, weights: str = "quantized", kernel_threads: int = 1):
+        from bench.spotlight_speed import weight_bytes
         from spotlight.config import EngineConfig, default_home
         from spotlight.engine import Engine
 
-        self.engine = Engine.load(EngineConfig(weights=weights), default_home())
+        self.engine = Engine.load(EngineConfig(weights=weights, kernel_threads=kernel_threads), default_home())
+        self.weight_bytes = weight_bytes(self.engine.model)
         warm = essay_ids(self.engine.tokenizer, WARM_UP_TOKENS)  # one-time kernel set-up stays out of the rows
         self._generate(warm, 2)
 
@@ -72,7 +85,8 @@ class OursRunner:
         stats = self._generate(essay_ids(self.engine.tokenizer, n - new_tokens), new_tokens)
         assert stats.decode_tokens == new_tokens
         # The first sampled token needs no forward; new_tokens - 1 decode forwards ran.
-        return {"prefill_tps": stats.prefill_tps, "decode_tps": (new_tokens - 1) / stats.decode_seconds}
+        return {"prefill_tps": stats.prefill_tps, "decode_tps": (new_tokens - 1) / stats.decode_seconds,
+                "bytes_per_token": self.weight_bytes + n * kv_bytes_per_token(self.engine.args, 4)}
 
 
 class TransformersRunner:
@@ -85,9 +99,14 @@ class TransformersRunner:
         from spotlight import loading
         from spotlight.config import default_home
 
-        source = loading.resolve(None, default_home())
+        from bench.spotlight_speed import weight_bytes
+        from spotlight.config import ModelArgs
+
+        source = loading.resolve(None, default_home())  # fp32 weights: converted once if missing
         self.model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
+        self.weight_bytes = weight_bytes(self.model)
+        self.args = ModelArgs.from_hf_config(self.model.config)
         self._generate(essay_ids(self.tokenizer, WARM_UP_TOKENS), 2)  # the same warm-up as ours
 
     def _generate(self, ids: list[int], new_tokens: int) -> list[float]:
@@ -106,28 +125,94 @@ class TransformersRunner:
         started = time.perf_counter()
         times = self._generate(ids, new_tokens)
         first, last = times[1], times[-1]  # times[0] is the prompt itself
-        return {"prefill_tps": (n - new_tokens) / (first - started), "decode_tps": (new_tokens - 1) / (last - first)}
+        return {"prefill_tps": (n - new_tokens) / (first - started), "decode_tps": (new_tokens - 1) / (last - first),
+                "bytes_per_token": self.weight_bytes + n * kv_bytes_per_token(self.args, 4)}
+
+
+LLAMA_BENCH = Path(os.environ.get("LLAMA_BENCH", ROOT / ".bench-cache" / "llama-build" / "bin" / "llama-bench"))
+
+
+def llama_bench_available() -> bool:
+    """llama.cpp's llama-bench as `make bench-deps` builds it (or $LLAMA_BENCH)."""
+    return LLAMA_BENCH.is_file() and os.access(LLAMA_BENCH, os.X_OK)
+
+
+class LlamaCppRunner:
+    """llama.cpp's own benchmark tool (llama-bench) on the same GGUF, every core, flash attention,
+    f16 K/V: prefill = its `pp` test of the prompt length from an empty cache; decode = its `tg`
+    test of new_tokens - 1 tokens at depth n - new_tokens (the cache filled first, untimed), one
+    repetition each (the worker's turns give the repeats). NOTE: llama-cpp-python is not used:
+    it cannot be imported here (its llama_cache module needs `diskcache`, not installed)."""
+
+    def __init__(self, n_ctx: int):
+        from spotlight.loading import default_gguf
+
+        self.gguf = default_gguf()
+        self.measure(WARM_UP_TOKENS + 2, 2)  # the same warm-up as ours
+
+    def _bench(self, prompt: int, gen: int, depth: int) -> dict:
+        import subprocess
+
+        cmd = [str(LLAMA_BENCH), "-m", str(self.gguf), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
+               "-t", str(os.cpu_count()), "-fa", "on", "-r", "1", "-o", "json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+        (result,) = json.loads(out.stdout)
+        return result
+
+    def measure(self, n: int, new_tokens: int) -> dict:
+        prompt = n - new_tokens
+        pp = self._bench(prompt, 0, 0)
+        tg = self._bench(0, new_tokens - 1, prompt)
+        kv = tg["n_depth"] + new_tokens  # f16 K and V (type_k / type_v) of the cached tokens
+        return {"prefill_tps": pp["avg_ts"], "decode_tps": tg["avg_ts"],
+                "bytes_per_token": tg["model_size"] + kv * self.kv_bytes_per_token()}
+
+    @functools.cache
+    def kv_bytes_per_token(self) -> int:
+        from spotlight import loading
+        from spotlight.config import default_home
+
+        _, args = loading.load_config(loading.resolve(None, default_home(), fp32_weights=False))
+        return kv_bytes_per_token(args, 2)
+
+    def peak_rss_mb(self) -> float:
+        """The largest llama-bench process's peak RSS (this worker's children)."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
 _RUNNER = None  # the worker process's runner (see `Worker`)
+RUNNERS = {  # Worker kind -> how its process builds the runner (n_ctx: the longest context + room)
+    "ours": lambda n_ctx: OursRunner("quantized", 1),
+    "ours-2t": lambda n_ctx: OursRunner("quantized", 2),
+    "ours-fp32": lambda n_ctx: OursRunner("fp32", 1),
+    "transformers": lambda n_ctx: TransformersRunner(),
+    "llama.cpp": LlamaCppRunner,
+}
 
 
-def _start_runner(kind: str) -> None:
+def _start_runner(kind: str, n_ctx: int) -> None:
     global _RUNNER
-    _RUNNER = {"ours": OursRunner, "ours-fp32": lambda: OursRunner("fp32"), "transformers": TransformersRunner}[kind]()
+    _RUNNER = RUNNERS[kind](n_ctx)
 
 
 def _measure(n: int, new_tokens: int) -> dict:
     return _RUNNER.measure(n, new_tokens)
 
 
+def _runner_peak_rss_mb() -> float:
+    """The runner's own peak RSS where it runs another program (llama-bench), else this process's."""
+    return _RUNNER.peak_rss_mb() if hasattr(_RUNNER, "peak_rss_mb") else peak_rss_mb()
+
+
 class Worker:
     """One engine in its own long-lived process (so each peak RSS is its own), measured on request."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, n_ctx: int = 0):
         self.kind = kind
         self._pool = futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_start_runner, initargs=(kind,))
+                                                 initializer=_start_runner, initargs=(kind, n_ctx))
 
     def measure(self, n: int, new_tokens: int) -> dict:
         time.sleep(SETTLE_S)  # the other engine's OpenMP threads spin a while after its last run
@@ -136,7 +221,7 @@ class Worker:
         return row
 
     def peak_rss_mb(self) -> float:
-        return self._pool.submit(peak_rss_mb).result()
+        return self._pool.submit(_runner_peak_rss_mb).result()
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -160,16 +245,30 @@ def in_subprocess(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-OURS_KINDS = {"quantized": ("ours",), "fp32": ("ours-fp32",), "both": ("ours", "ours-fp32")}  # --weights
+KERNEL_THREADS = (1, 2) if os.cpu_count() >= 2 else (1,)  # ours quantized runs at each
+OURS_KINDS = {  # --weights -> our workers; the first is "ours" of the ours/transformers ratios
+    "quantized": ("ours", "ours-2t")[: len(KERNEL_THREADS)],
+    "fp32": ("ours-fp32",),
+}
+OURS_KINDS["both"] = OURS_KINDS["quantized"] + OURS_KINDS["fp32"]
+PATHS = {"ours": "ours quantized, 1 kernel thread", "ours-2t": "ours quantized, 2 kernel threads",
+         "ours-fp32": "ours fp32, 1 kernel thread", "transformers": "transformers", "llama.cpp": "llama.cpp"}
+LLAMA_CPP_TARGETS = {1024: 1.2, 8192: 1.5}  # issue #20: decode ours / llama.cpp at least this
 
 
 def engine_part(sizes: dict, weights: str = "quantized"):
-    """Both engines stay loaded in their own processes and take turns on each context, `repeats`
+    """Every engine stays loaded in its own process and they take turns on each context, `repeats`
     times in alternating order; each side's fastest prefill and decode of a context count, so a
-    slow spell of the shared machine lands on both and drops out of the ratio. weights "both":
-    ours runs twice, quantized ("ours") and fp32 ("ours-fp32"), in two processes."""
+    slow spell of the shared machine lands on all and drops out of the ratios. One row per
+    (context, path): tok/s, bytes read per decode step, measured/floor, and the decode ratios to
+    transformers and llama.cpp."""
+    from bench.spotlight_speed import measure_bandwidth
+
+    bandwidth = max(measure_bandwidth().values())  # bytes/s, before any engine loads
     ours = OURS_KINDS[weights]
-    workers = [Worker(kind) for kind in ours] + [Worker("transformers")]
+    kinds = list(ours) + ["transformers"] + (["llama.cpp"] if llama_bench_available() else [])
+    n_ctx = max(sizes["contexts"]) + sizes["new_tokens"] + 8
+    workers = [Worker(kind, n_ctx) for kind in kinds]
     try:
         best: dict[tuple[str, int], dict] = {}
         for n in sizes["contexts"]:
@@ -185,31 +284,47 @@ def engine_part(sizes: dict, weights: str = "quantized"):
             worker.close()
     rows = []
     for n in sizes["contexts"]:
-        a, b = best[ours[0], n], best["transformers", n]
-        row = {
-            "context": n,
-            "ours prefill tok/s": a["prefill_tps"], "hf prefill tok/s": b["prefill_tps"],
-            "prefill ratio": a["prefill_tps"] / b["prefill_tps"],
-            "ours decode tok/s": a["decode_tps"], "hf decode tok/s": b["decode_tps"],
-            "decode ratio": a["decode_tps"] / b["decode_tps"],
-        }
-        if len(ours) == 2:  # quantized first, fp32 beside it
-            c = best[ours[1], n]
-            row.update({"ours fp32 prefill tok/s": c["prefill_tps"], "ours fp32 decode tok/s": c["decode_tps"],
-                        "decode quantized/fp32": a["decode_tps"] / c["decode_tps"]})
-        rows.append(row)
-    targets = [Target(f"decode ours/transformers at {r['context']}", r["decode ratio"], 1.0) for r in rows]
-    targets += [Target(f"prefill ours/transformers at {r['context']}", r["prefill ratio"], 1.0) for r in rows]
-    first = rows[0]
-    targets.append(Target(f"decode ours/transformers at {first['context']} (short context)", first["decode ratio"], 1.5))
+        hf, cpp = best["transformers", n], best.get(("llama.cpp", n))
+        for kind in kinds:
+            m = best[kind, n]
+            floor_s = m["bytes_per_token"] / bandwidth
+            rows.append({
+                "context": n, "path": PATHS[kind], "prefill tok/s": m["prefill_tps"], "decode tok/s": m["decode_tps"],
+                "MB read / token": m["bytes_per_token"] / 1e6, "floor ms": floor_s * 1e3,
+                "measured/floor": 1 / m["decode_tps"] / floor_s,
+                "decode / transformers": m["decode_tps"] / hf["decode_tps"],
+                "decode / llama.cpp": m["decode_tps"] / cpp["decode_tps"] if cpp else float("nan"),
+                "prefill / transformers": m["prefill_tps"] / hf["prefill_tps"], "peak RSS MiB": rss[kind],
+            })
+    def row_of(kind, n):
+        return next(r for r in rows if r["context"] == n and r["path"] == PATHS[kind])
+
+    lead = ours[0]
+    targets = [Target(f"decode ours/transformers at {n}", row_of(lead, n)["decode / transformers"], 1.0)
+               for n in sizes["contexts"]]
+    targets += [Target(f"prefill ours/transformers at {n}", row_of(lead, n)["prefill / transformers"], 1.0)
+                for n in sizes["contexts"]]
+    first = sizes["contexts"][0]
+    targets.append(Target(f"decode ours/transformers at {first} (short context)",
+                          row_of(lead, first)["decode / transformers"], 1.5))
+    if "llama.cpp" in kinds:
+        for n, goal in LLAMA_CPP_TARGETS.items():
+            if n in sizes["contexts"]:
+                ratio = max(row_of(kind, n)["decode / llama.cpp"] for kind in ours)
+                targets.append(Target(f"decode ours (best of {', '.join(ours)})/llama.cpp at {n}", ratio, goal))
     notes = (
-        f"SmolLM2-135M-Instruct, ours with weights {' and '.join(ours)} ('ours': {weights if weights != 'both' else 'quantized'}), greedy, {sizes['new_tokens']} new tokens per context, plain-text prompt; "
+        f"SmolLM2-135M-Instruct (the packaged GGUF), paths: {', '.join(PATHS[k] for k in kinds)}; greedy, "
+        f"{sizes['new_tokens']} new tokens per context, plain-text prompt; "
         f"each engine first runs once on {WARM_UP_TOKENS} tokens (one-time kernel set-up, not measured). "
         f"Each engine runs in its own process, loaded once; they take turns on each context, "
         f"{sizes['repeats']} times each in alternating order, and each side's best prefill and best decode "
         f"tokens/s count (ours reuses its K/V memory across requests: a context's buffers come from the engine's "
         f"BufferPool, filled when the previous request's context was dropped; transformers allocates its cache per "
-        f"call). Peak RSS: " + ", ".join(f"{kind} {mb:.0f} MiB" for kind, mb in rss.items()) + "."
+        f"call). llama.cpp: its llama-bench ({LLAMA_BENCH.name}), {os.cpu_count()} threads, flash attention, f16 "
+        f"K/V, prompt and depth of the same lengths (its own random tokens: speed does not depend on them). MB read / token: the weights as each path stores them (ours quantized: the GGUF's blocks; fp32 "
+        f"and transformers: fp32 matrices; llama.cpp: every tensor of the file) + K/V of the context (fp32; "
+        f"llama.cpp f16); floor = that / {bandwidth / 1e9:.1f} GB/s, the fastest 1- or 2-thread streaming read "
+        f"measured in this run. Peak RSS: " + ", ".join(f"{kind} {mb:.0f} MiB" for kind, mb in rss.items()) + "."
     )
     return rows, targets, notes
 

@@ -86,10 +86,18 @@ def weight_pass_bandwidth(model, repeats: int = 5) -> dict[int, float]:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every matrix a decode step reads (the tied embedding is read once, as the head)."""
+    """Bytes of every matrix a decode step reads (the tied embedding is read once, as the head);
+    a QuantLinear's are its GGUF blocks (spotlight/quantized.py)."""
+    from spotlight.quantized import QuantLinear
+
     seen, total = set(), 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+        if isinstance(module, QuantLinear):
+            for part in module.parts:
+                if id(part.blocks) not in seen:
+                    seen.add(id(part.blocks))
+                    total += part.nbytes
+        elif isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             total += module.weight.numel() * module.weight.element_size()
     return total

@@ -9,14 +9,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from memory.config import StoreConfig
-from spotlight.config import WEIGHTS, EngineConfig, SamplingConfig, SpotlightConfig, default_home
+from spotlight.config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home
 
 # Regenerate samples (a greedy rerun would repeat the reply word for word): at this temperature and
 # top-p when the configured sampling is greedy, else at the configured ones; a fresh seed each time.
 REGENERATE_TEMPERATURE = 0.7
 REGENERATE_TOP_P = 0.9
 
-__all__ = ["REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "WEIGHTS", "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig"]
+__all__ = ["QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "WEIGHTS", "WEIGHTS_HELP",
+           "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig"]
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,9 @@
    scalar path is the fallback and the reference of the same arithmetic. */
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -325,4 +328,39 @@ int quant_matvec(int kind, const uint8_t *blocks, int64_t row_bytes, int64_t blo
         out[r] = bias ? v + bias[r] : v;
     }
     return 0;
+}
+
+/* quant_matvec with the rows cut into `threads` contiguous runs, one per OpenMP thread (libgomp:
+   the same pool as numba's "omp" threading layer, kept alive between calls). Each row is still
+   summed by one call of the same row kernel, so the bits equal one thread's. threads <= 1, or a
+   build without OpenMP, runs quant_matvec on the calling thread. */
+int quant_matvec_threads(int kind, const uint8_t *blocks, int64_t row_bytes, int64_t blocks_per_row,
+                         int64_t row_start, int64_t row_end, const float *x, const float *bias, float *out,
+                         int scalar, int threads) {
+    row_fn row = row_kernel(kind, scalar);
+    if (!row) return -1;
+#ifdef _OPENMP
+    int64_t rows = row_end - row_start;
+    if (threads > 1 && rows > 1) {
+        if (threads > rows) threads = (int)rows;
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), n = omp_get_num_threads();
+            quant_matvec(kind, blocks, row_bytes, blocks_per_row, row_start + rows * t / n,
+                         row_start + rows * (t + 1) / n, x, bias, out, scalar);
+        }
+        return 0;
+    }
+#endif
+    (void)threads;
+    return quant_matvec(kind, blocks, row_bytes, blocks_per_row, row_start, row_end, x, bias, out, scalar);
+}
+
+/* 1 when the library was built with OpenMP (quant_matvec_threads can split rows). */
+int quant_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }

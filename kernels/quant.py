@@ -13,7 +13,8 @@ never quantized. `dequantize_into(qm, out)` writes fp32 rows bit-identical to gg
 The block layouts, the kernels and why they are shaped as they are: kernels/quant_cpu.py;
 measurements: docs/notes-quant.md. `QuantMatVec(qm)` binds one matrix for repeated one-row
 products and runs kernels/quant.c (built by `make setup` into kernels/_quant.so, AVX2 + FMA,
-~2x the numba kernels) where the library is built and has the format, else the numba kernel.
+~2x the numba kernels; rows split over kernels.set_threads(n) OpenMP threads) where the library
+is built and has the format, else the numba kernel.
 """
 from __future__ import annotations
 
@@ -214,6 +215,34 @@ def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | Non
     return dest
 
 
+def quantize_q8_0(weights, name: str = "<fp32>", chunk_rows: int = 4096) -> QuantMatrix:
+    """An fp32 matrix W (F, E) as Q8_0 blocks, byte for byte what gguf.quants.quantize writes (the
+    same fp32 operations: d = max|w| / 127, q = round-half-away(w / d) as w * (1 / d), d stored as
+    fp16). E must be a multiple of 32. Rows are done `chunk_rows` at a time (bounded temporaries)."""
+    w = as_numpy(weights)
+    if w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError(f"{name}: Q8_0 quantization needs a float32 (F, E) matrix, got {w.dtype} {w.shape}")
+    rows, cols = w.shape
+    fmt = FORMATS["Q8_0"]
+    if cols % fmt.values:
+        raise ValueError(f"{name}: Q8_0 needs a column count that is a multiple of {fmt.values}, got {cols}")
+    per_row = cols // fmt.values
+    out = np.empty((rows, per_row, fmt.block_bytes), np.uint8)  # (F, S, R)
+    for start in range(0, rows, chunk_rows):
+        blocks = w[start:start + chunk_rows].reshape(-1, fmt.values)  # (n, 32)
+        d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)  # (n, 1) fp32
+        with np.errstate(divide="ignore"):
+            inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        scaled = blocks * inverse
+        magnitude = np.abs(scaled)
+        floored = np.floor(magnitude)
+        q = np.sign(scaled) * (floored + np.floor(2 * (magnitude - floored)))  # gguf's np_roundf
+        view = out[start:start + chunk_rows].reshape(-1, fmt.block_bytes)
+        view[:, :2] = d.astype(np.float16).view(np.uint8)
+        view[:, 2:] = q.astype(np.int8).view(np.uint8)
+    return QuantMatrix(name, "Q8_0", rows, cols, out.reshape(rows, per_row * fmt.block_bytes))
+
+
 # ------------------------------------------------------------------ the compiled kernels (quant.c)
 # `make setup` builds kernels/quant.c into kernels/_quant.so (cc -O3 -march=native); without it
 # (no compiler, a failed build) every product runs on the numba kernels above.
@@ -237,11 +266,16 @@ def _load_library(path: Path = LIBRARY):
     lib.quant_simd.restype = ctypes.c_int
     lib.quant_has_simd.argtypes = [ctypes.c_int]
     lib.quant_has_simd.restype = ctypes.c_int
+    if hasattr(lib, "quant_matvec_threads"):  # a library built before it has one thread only
+        lib.quant_matvec_threads.argtypes = lib.quant_matvec.argtypes + [ctypes.c_int]
+        lib.quant_matvec_threads.restype = ctypes.c_int
     return lib, ""
 
 
 _LIB, C_MISSING = _load_library()  # C_MISSING: why the C kernels are unavailable ("" when loaded)
 C_SIMD = bool(_LIB is not None and _LIB.quant_simd())  # the library was built with AVX2 + FMA + F16C
+# the library splits rows over kernels.set_threads(n) OpenMP threads (built with -fopenmp)
+C_THREADS = bool(_LIB is not None and hasattr(_LIB, "quant_openmp") and _LIB.quant_openmp())
 
 
 def c_supports(qtype: str) -> bool:
@@ -261,7 +295,8 @@ class QuantMatVec:
 
     Runs quant.c's kernel with `backend="c"`, or with "auto" where the library has a SIMD kernel
     for the format (c_is_fast); else kernels.quant.matvec (numba). `scalar=True` forces the C library's scalar fallback (tests).
-    A call checks only x and out (~1 µs through ctypes). The C path is single-threaded.
+    A call checks only x and out (~1 µs through ctypes). The C path splits the rows over
+    kernels.set_threads(n) threads (OpenMP inside quant.c, C_THREADS), bit-identical for every n.
     """
 
     def __init__(self, qm: QuantMatrix, bias=None, backend: str = "auto", scalar: bool = False):
@@ -293,4 +328,8 @@ class QuantMatVec:
 
     def call(self, x_ptr: int, out_ptr: int) -> None:
         """The C product on raw addresses of float32 x (E,) and out (F,) that the caller has checked."""
-        _LIB.quant_matvec(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar)
+        count = threads()
+        if count > 1 and C_THREADS:
+            _LIB.quant_matvec_threads(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar, count)
+        else:
+            _LIB.quant_matvec(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar)

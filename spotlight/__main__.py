@@ -9,7 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import WEIGHTS, EngineConfig, SamplingConfig, SpotlightConfig, default_home
+from .config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home
 from .errors import SpotlightError
 
 EPILOG = """examples:
@@ -48,8 +48,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     m.add_argument("--kernel-threads", type=int, default=1,
                    help="threads of the decode kernels (default: 1; 2 decoded 1.3x faster on an idle 2-core machine)")
-    m.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights,
-                   help="a GGUF's decode weights: quantized (read as stored) or fp32 (default: quantized)")
+    m.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights, help=WEIGHTS_HELP)
+    m.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
     m.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
                    help=f"tokens per prefill chunk (default: {EngineConfig.prefill_chunk})")
     a = p.add_argument_group("Spotlight attention")
@@ -71,7 +71,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _configs(args) -> tuple[EngineConfig, SamplingConfig, SpotlightConfig]:
     engine = EngineConfig(model_path=args.model, device=args.device, threads=args.threads,
-                          kernel_threads=args.kernel_threads, weights=args.weights,
+                          kernel_threads=args.kernel_threads, weights=args.weights, quantize=args.quantize,
                           prefill_chunk=args.prefill_chunk, encoder_path=args.encoders)
     spotlight = SpotlightConfig(enabled=not args.no_spotlight, ratio=args.ratio, bits=args.bits)
     sampling = SamplingConfig(

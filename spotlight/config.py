@@ -208,6 +208,14 @@ def default_home() -> Path:
 
 
 WEIGHTS = ("quantized", "fp32")  # EngineConfig.weights
+QUANTIZE = ("q8_0",)  # EngineConfig.quantize
+# What each choice costs, in the words of `--help` and the Settings tab (SmolLM2-135M's numbers:
+# docs/notes-quant.md).
+WEIGHTS_HELP = ("a GGUF's weights: quantized (default) decodes from the file's blocks, no fp32 copy (~1/5 of the "
+                "bytes per token, ~0.5 GB peak at load); fp32 first writes a dequantised copy (~4x the GGUF on disk, "
+                "a slower first start, ~1.7 GB peak) and reads ~5x the bytes per token")
+QUANTIZE_HELP = ("q8_0: quantize a Hugging Face model's linears at load (seconds; the load still peaks at the fp32 "
+                 "size) so decode reads ~1/4 of the fp32 bytes per token; logits move by ~1e-2 relative (default: off)")
 
 
 @dataclass(frozen=True)
@@ -231,8 +239,14 @@ class EngineConfig:
     # fp32 bytes for SmolLM2); "fp32": every product on the dequantised fp32 copy. Hugging Face
     # directories are always fp32. Quantized needs device cpu and dtype float32, else fp32 is used.
     weights: str = "quantized"
+    # "q8_0": a Hugging Face model's linears are quantized at load into Q8_0 blocks and decoded by
+    # the quantized kernels (~27 % of the fp32 bytes per token; load takes the quantization time
+    # and peaks at the fp32 model's memory). None: fp32. GGUF models ignore it (already quantized).
+    quantize: str | None = None
 
     def __post_init__(self):
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or None; got {self.quantize!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {self.weights!r}")
         if self.prefill_chunk < 1:

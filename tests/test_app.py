@@ -375,6 +375,8 @@ def test_command_line_defaults_and_password_from_the_environment(monkeypatch):
     assert (args.host, args.port, args.model, args.password, args.max_new_tokens) == ("127.0.0.1", 7860, None, None, None)
     monkeypatch.setenv("SPOTLIGHT_PASSWORD", "from-env")
     assert parse_args(["--port", "8000"]).password == "from-env"
+    assert (args.weights, args.quantize) == ("quantized", None)
+    assert (parse_args(["--quantize", "q8_0"]).quantize, parse_args(["--weights", "fp32"]).weights) == ("q8_0", "fp32")
 
 
 # ----------------------------------------------------------------------------- issue #19: what the browser sees

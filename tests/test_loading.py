@@ -40,6 +40,9 @@ def test_corrupt_gguf_leaves_nothing_half_written(tmp_path):
     with pytest.raises(UnsupportedModel, match="cannot load GGUF"):
         loading.resolve(str(gguf), home)
     assert list((home / "models").iterdir()) == []
+    with pytest.raises(UnsupportedModel, match="cannot load GGUF"):  # the config-only conversion too
+        loading.resolve(str(gguf), home, fp32_weights=False)
+    assert list((home / "models").iterdir()) == []
 
 
 def test_home_not_writable(tmp_path):
@@ -63,8 +66,14 @@ def test_local_hf_directory_loads_and_is_fingerprinted(tmp_path):
 
 @pytest.mark.model
 def test_default_model_is_cached_once_under_home(engine):
-    assert engine.source.hf_dir.parent == TEST_HOME / "models"
-    assert (engine.source.hf_dir / "model.safetensors").is_file()
+    """The quantized engine needs only config and tokenizer from the GGUF's directory; asking for
+    fp32 weights later adds the copy into the same directory."""
+    directory = engine.source.hf_dir
+    assert directory.parent == TEST_HOME / "models"
+    assert {"config.json", "tokenizer.json", "fingerprint.txt"} <= {p.name for p in directory.iterdir()}
+    fp32 = loading.resolve(engine.source.origin, TEST_HOME)
+    assert (fp32.hf_dir, fp32.fingerprint) == (directory, engine.source.fingerprint)
+    assert (directory / "model.safetensors").is_file() and loading.has_fp32_weights(directory)
     assert not list((TEST_HOME / "models").glob(".convert-*"))
 
 
@@ -81,6 +90,8 @@ def test_cli_help_lists_commands_and_options():
     assert out.returncode == 0 and b"chat" in out.stdout and b"generate" in out.stdout
     out = cli("generate", "--help")
     assert out.returncode == 0 and b"--prompt-file" in out.stdout and b"--temperature" in out.stdout
+    help_text = b" ".join(out.stdout.split())  # argparse wraps lines
+    assert b"--quantize {q8_0}" in help_text and b"no fp32 copy" in help_text and b"1/4 of the fp32 bytes" in help_text
 
 
 def test_cli_non_utf8_prompt_file_is_a_clear_error(tmp_path):

@@ -233,6 +233,26 @@ def test_c_matvec_bias_and_row_order_independence(qtype):
 
 
 @needs_c
+@pytest.mark.skipif(not quant.C_THREADS, reason="kernels/_quant.so built without OpenMP (rebuild: make setup)")
+@pytest.mark.parametrize("rows", (1, 37, 38))  # 1: fewer rows than threads
+@pytest.mark.parametrize("qtype", C_FORMATS)
+def test_c_one_and_two_threads_give_the_same_bits(qtype, rows, two_threads):
+    """quant.c splits the rows over kernels.set_threads(n) OpenMP threads: same bits as one thread,
+    with a bias, through both the checked call and the raw-address one."""
+    qm = random_matrix(qtype, rows, 5, seed=rows)
+    x = np.random.default_rng(4).standard_normal(qm.cols).astype(np.float32)  # (E,)
+    bias = np.random.default_rng(5).standard_normal(qm.rows).astype(np.float32)  # (F,)
+    bound = quant.QuantMatVec(qm, bias, backend="c")
+    two, two_raw = np.empty(qm.rows, np.float32), np.empty(qm.rows, np.float32)
+    bound(x, two)
+    bound.call(x.ctypes.data, two_raw.ctypes.data)
+    kernels.set_threads(1)
+    one = bound(x, np.empty(qm.rows, np.float32))
+    np.testing.assert_array_equal(one.view(np.uint32), two.view(np.uint32))
+    np.testing.assert_array_equal(one.view(np.uint32), two_raw.view(np.uint32))
+
+
+@needs_c
 def test_c_bound_checks_and_numba_fallback():
     qm = random_matrix("Q4_0", 3, 2)  # no C kernel: the bound object runs numba's
     x, want = activations(reference_weights(qm), seed=5)

@@ -22,9 +22,11 @@ from spotlight import loading
 from spotlight.attention import DenseDecode
 from spotlight.cache import KVCache
 from spotlight.config import EngineConfig
-from spotlight.model import Transformer, build_model
+from spotlight.model import RMSNorm, Transformer, build_model
 from spotlight.onerow import use_onerow_linear
-from spotlight.quantized import QuantLinear, unpermute_rows, use_quantized_linear
+from spotlight.quantized import (QuantEmbedding, QuantLinear, build_quantized_model, unpermute_rows,
+                                 use_quantized_linear)
+from conftest import TEST_HOME
 from spotlight.testing import tiny_args
 
 RELATIVE_TOLERANCE = 1e-4  # || quantized - fp32 || / || fp32 || of one decode step's logits
@@ -53,12 +55,25 @@ def hf_weights(model: Transformer, layer: int) -> dict[str, np.ndarray]:
             "ffn_up": gate_up[args.intermediate_size:], "ffn_down": block.feed_forward.w_down.weight.numpy()}
 
 
-def write_tiny_gguf(path, model: Transformer, types: dict = LAYER_TENSORS, output_type=Q.Q8_0) -> None:
+def write_tiny_gguf(path, model: Transformer, types: dict = LAYER_TENSORS, output_type=Q.Q8_0,
+                    tied_type=None) -> None:
     """Write `model` as a llama GGUF, then load gguf's dequantisation of each matrix back into
-    `model` (so `model` is the fp32 twin of the file)."""
+    `model` (so `model` is the fp32 twin of the file). Norms are written as F32. tied_type: the
+    embedding is written in that type and no output tensor (llama.cpp's tied layout); `model`
+    must then tie its output to its embedding."""
     args = model.args
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("token_embd.weight", model.tok_embeddings.weight.numpy())
+    if tied_type is None:
+        writer.add_tensor("token_embd.weight", model.tok_embeddings.weight.numpy())
+    else:
+        embedding = quantize(model.tok_embeddings.weight.numpy(), tied_type)
+        writer.add_tensor("token_embd.weight", embedding, raw_shape=embedding.shape, raw_dtype=tied_type)
+        with torch.no_grad():
+            model.tok_embeddings.weight.copy_(torch.from_numpy(dequantize(embedding, tied_type)))
+    writer.add_tensor("output_norm.weight", model.norm.weight.numpy())
+    for i, block in enumerate(model.layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", block.attention_norm.weight.numpy())
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", block.ffn_norm.weight.numpy())
     dequantised = {}
     for i in range(args.n_layers):
         for name, weight in hf_weights(model, i).items():
@@ -73,8 +88,9 @@ def write_tiny_gguf(path, model: Transformer, types: dict = LAYER_TENSORS, outpu
                 writer.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_shape=blocks.shape, raw_dtype=qtype)
                 back = dequantize(blocks, qtype)
             dequantised[(i, name)] = back[unpermute_rows(back.shape[0], heads)] if heads else back
-    output = quantize(model.output.weight.numpy(), output_type)
-    writer.add_tensor("output.weight", output, raw_shape=output.shape, raw_dtype=output_type)
+    if tied_type is None:
+        output = quantize(model.output.weight.numpy(), output_type)
+        writer.add_tensor("output.weight", output, raw_shape=output.shape, raw_dtype=output_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -86,7 +102,8 @@ def write_tiny_gguf(path, model: Transformer, types: dict = LAYER_TENSORS, outpu
             block.attention.wo.weight.copy_(d["attn_output"])
             block.feed_forward.w_gate_up.weight.copy_(torch.cat([d["ffn_gate"], d["ffn_up"]]))
             block.feed_forward.w_down.weight.copy_(d["ffn_down"])
-        model.output.weight.copy_(torch.from_numpy(dequantize(output, output_type)))
+        if tied_type is None:
+            model.output.weight.copy_(torch.from_numpy(dequantize(output, output_type)))
 
 
 @pytest.fixture
@@ -137,6 +154,95 @@ def test_tiny_gguf_swaps_every_linear_and_decodes_as_fp32(tiny_pair):
     assert torch.equal(got_prefill, want_prefill)
     errors = [relative(got, want) for got, want in zip(got_steps, want_steps)]
     assert max(errors) <= RELATIVE_TOLERANCE, errors
+
+
+def random_norms(model: Transformer, seed: int) -> Transformer:
+    """`model` with random norm weights (ones would hide a norm not read from the file)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.copy_(1 + 0.5 * torch.rand(module.weight.shape, generator=generator))
+    return model
+
+
+@pytest.fixture
+def tied_gguf(tmp_path):
+    """(fp32 twin, GGUF path) of a tiny tied llama: Q8_0 embedding = output, as SmolLM2's GGUF."""
+    torch.manual_seed(3)
+    args = type(tiny_args(64))(**{**tiny_args(64).__dict__, "tie_embeddings": True})
+    fp32 = random_norms(use_onerow_linear(Transformer(args).eval().requires_grad_(False)), 3)
+    assert fp32.output.weight is fp32.tok_embeddings.weight
+    path = tmp_path / "tied.gguf"
+    write_tiny_gguf(path, fp32, tied_type=Q.Q8_0)
+    return fp32, path
+
+
+def test_model_built_from_the_gguf_alone_equals_its_fp32_twin(tied_gguf):
+    """build_quantized_model: no fp32 linear, no fp32 embedding; prefill matches the twin (the
+    output projection runs in row runs of the shared buffer), decode within the tolerance."""
+    fp32, path = tied_gguf
+    model, swap = build_quantized_model(path, fp32.args)
+    args = fp32.args
+    assert swap.kept_fp32 == () and swap.swapped[-1] == "output" and len(swap.swapped) == 4 * args.n_layers + 1
+    assert isinstance(model.tok_embeddings, QuantEmbedding) and model.tok_embeddings.matrix.qtype == "Q8_0"
+    assert model.output.parts[0] is model.tok_embeddings.matrix  # one copy of the tied blocks
+    assert model.output.chunked and model.output.scratch.elements < args.vocab_size * args.dim
+    dense = [name for name, p in model.named_parameters() if p.dim() == 2]
+    assert dense == []  # every matrix stays in blocks
+    assert torch.equal(model.norm.weight, fp32.norm.weight)
+    prompt = torch.arange(3, 40)  # (T,)
+    want_prefill, want_steps = run(fp32, prompt, [5, 77, 200])
+    got_prefill, got_steps = run(model, prompt, [5, 77, 200])
+    assert relative(got_prefill, want_prefill) <= 1e-6, relative(got_prefill, want_prefill)
+    errors = [relative(got, want) for got, want in zip(got_steps, want_steps)]
+    assert max(errors) <= RELATIVE_TOLERANCE, errors
+
+
+def test_quant_embedding_looks_up_gguf_rows_exactly(tied_gguf):
+    fp32, path = tied_gguf
+    model, _ = build_quantized_model(path, fp32.args)
+    tokens = torch.tensor([[7, 0, 7], [fp32.args.vocab_size - 1, 3, 1]])  # (2, 3): any shape, repeats
+    got = model.tok_embeddings(tokens)  # (2, 3, E)
+    assert got.shape == (2, 3, fp32.args.dim)
+    assert torch.equal(got, fp32.tok_embeddings.weight[tokens])
+    assert model.tok_embeddings(torch.tensor([], dtype=torch.long)).shape == (0, fp32.args.dim)
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        model.tok_embeddings(torch.tensor([fp32.args.vocab_size]))
+
+
+def test_model_built_from_the_gguf_keeps_kernel_less_tensors_fp32(tmp_path, caplog):
+    """An F16 ffn_down and an untied F32 embedding: fp32 modules dequantised by gguf, with a notice."""
+    torch.manual_seed(4)
+    fp32 = random_norms(use_onerow_linear(Transformer(tiny_args(64)).eval().requires_grad_(False)), 4)
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, fp32, {**LAYER_TENSORS, "ffn_down": Q.F16})
+    with caplog.at_level(logging.WARNING, logger="spotlight"):
+        model, swap = build_quantized_model(path, fp32.args)
+    layers = fp32.args.n_layers
+    assert swap.kept_fp32 == tuple(f"layers.{i}.feed_forward.w_down: F16" for i in range(layers)) + (
+        "tok_embeddings: F32",)
+    assert "'blk.0.ffn_down.weight' is F16, which has no quantized kernel" in caplog.text
+    assert torch.equal(model.layers[1].feed_forward.w_down.weight, fp32.layers[1].feed_forward.w_down.weight)
+    assert model.output.qtypes == ("Q8_0",) and model.output.chunked
+    prompt = torch.arange(3, 20)
+    want_prefill, want = run(fp32, prompt, [9])
+    got_prefill, got = run(model, prompt, [9])
+    assert relative(got_prefill, want_prefill) <= 1e-6
+    assert relative(got[0], want[0]) <= RELATIVE_TOLERANCE
+
+
+def test_model_built_from_a_gguf_without_norms_names_the_tensor(tiny_pair, tmp_path):
+    fp32, _, _, _ = tiny_pair
+    path = tmp_path / "bare.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", fp32.tok_embeddings.weight.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CorruptTensor, match=r"'blk\.0\.attn_norm\.weight' is missing"):
+        build_quantized_model(path, fp32.args)
 
 
 def test_kernel_less_type_stays_fp32_with_a_notice(tmp_path, caplog):
@@ -206,8 +312,9 @@ GREEDY_TOKENS = 32
 @pytest.fixture(scope="module")
 def fp32_default(engine):
     """The default model on its fp32 dequantised copy, built as Engine.load builds it with weights="fp32"."""
-    _, args = loading.load_config(engine.source)
-    return use_onerow_linear(build_model(args, loading.load_state_dict(engine.source)))
+    source = loading.resolve(engine.source.origin, TEST_HOME)  # the quantized engine made no fp32 copy
+    _, args = loading.load_config(source)
+    return use_onerow_linear(build_model(args, loading.load_state_dict(source)))
 
 
 def greedy(model: Transformer, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
@@ -271,3 +378,49 @@ def test_file_that_is_not_gguf_raises_corrupt_tensor(tiny_pair, tmp_path):
     header.write_bytes(path.read_bytes()[:40])
     with pytest.raises(CorruptTensor, match="ends inside its header"):
         use_quantized_linear(copy.deepcopy(fp32), header, fp32.args)
+
+
+# ------------------------------------------------------------- --quantize q8_0 (Hugging Face models)
+Q8_TOLERANCE = 2e-2  # || q8_0 - fp32 || / || fp32 || of logits: Q8_0 rounds each weight to 1/254 of its block's max
+
+
+def test_quantize_q8_0_writes_gguf_s_bytes():
+    from kernels.quant import quantize_q8_0
+
+    rng = np.random.default_rng(0)
+    weights = (rng.standard_normal((37, 96)) * rng.uniform(1e-3, 10, (37, 1))).astype(np.float32)  # (F, E)
+    weights[3, 32:64] = 0  # an all-zero block: d = 0
+    weights[5, :32] = np.linspace(-127, 127, 32, dtype=np.float32) / 2  # ties at .5: rounded away from zero
+    qm = quantize_q8_0(weights, "w", chunk_rows=8)  # 8: several chunks and a short last one
+    assert (qm.qtype, qm.rows, qm.cols) == ("Q8_0", 37, 96)
+    np.testing.assert_array_equal(qm.blocks, quantize(weights, Q.Q8_0))
+    with pytest.raises(ValueError, match="multiple of 32, got 40"):
+        quantize_q8_0(np.zeros((2, 40), np.float32))
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))  # qwen2: q/k/v biases
+def test_quantize_to_q8_0_decodes_close_to_fp32(arch):
+    from conftest import tiny_pair as hf_pair
+    from spotlight.quantized import quantize_to_q8_0
+
+    _, fp32 = hf_pair(arch, seed=5)
+    model = copy.deepcopy(fp32)
+    swap = quantize_to_q8_0(model)
+    layers = fp32.args.n_layers
+    assert len(swap.swapped) == 4 * layers + 1 and swap.kept_fp32 == ()
+    wqkv = model.layers[0].attention.wqkv
+    assert isinstance(wqkv, QuantLinear) and wqkv.qtypes == ("Q8_0",)
+    np.testing.assert_array_equal(wqkv.parts[0].blocks,
+                                  quantize(fp32.layers[0].attention.wqkv.weight.numpy(), Q.Q8_0))
+    assert (wqkv.bias is None) == (arch == "llama")
+    prompt = torch.arange(3, 30)
+    want_prefill, want = run(fp32, prompt, [7, 8, 9])
+    got_prefill, got = run(model, prompt, [7, 8, 9])
+    errors = [relative(g, w) for g, w in zip([got_prefill] + got, [want_prefill] + want)]
+    assert 0 < max(errors) <= Q8_TOLERANCE, errors  # > 0: the weights really changed
+
+
+def test_engine_config_validates_quantize():
+    assert EngineConfig().quantize is None and EngineConfig(quantize="q8_0").quantize == "q8_0"
+    with pytest.raises(ValueError, match="quantize must be one of q8_0 or None; got 'q4_0'"):
+        EngineConfig(quantize="q4_0")
