@@ -63,6 +63,7 @@ LLAMA_CMAKE := -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA
 bench-deps: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --no-deps --no-binary llama-cpp-python \
 		-C build-dir=$(LLAMA_BUILD) llama-cpp-python==0.3.36
+	$(PY) -m pip install -q diskcache==5.6.3  # the binding's one runtime dependency the app lacks
 	test -x $(LLAMA_BUILD)/bin/llama-server
 
 clean-venv:
