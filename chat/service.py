@@ -150,8 +150,13 @@ class ChatService:
         return self.engine.count_tokens(text)
 
     def context_window(self) -> int:
-        """The most tokens the model reads at once (loads the model on first use)."""
+        """The most tokens a conversation may hold (loads the model on first use): with Spotlight
+        the configured cap, read past the model's own window through retrieval; without, that window."""
         return self.engine.max_context
+
+    def model_window(self) -> int:
+        """The model's own context window in tokens: what it reads densely (loads the model on first use)."""
+        return self.engine.native_window
 
     def decodes_densely(self) -> bool:
         """Whether replies decode with dense attention (Spotlight off), not Spotlight."""
@@ -326,8 +331,9 @@ class ChatService:
         """Attach a read document (segmenter) to the conversation's prefix (the system
         message): it is cut into segments once, here, with their pages and headings, and
         stored with them. Refused with `ConversationTooLong` before any long work (tokens are
-        counted with an early exit) if the conversation would not fit the context window. Its
-        KV cache is computed on the next message (or `resume`)."""
+        counted with an early exit) if the conversation would not fit `context_window()` (past the
+        model's window it is read through Spotlight). Its KV cache is computed on the next message
+        (or `resume`)."""
         if not document.text.strip():
             raise InvalidAction(f"the document {document.name!r} is empty; attach a file with text in it")
         with translated(session_id), self._flags.running(session_id):
@@ -336,7 +342,8 @@ class ChatService:
             room = self.engine.max_context - 1 - len(self.runner.renderer.prompt(conversation))
             n_tokens = count_tokens_within(self.engine.count_tokens, document.text, room)
             if n_tokens is None:
-                raise ConversationTooLong(too_long(document.name, room, self.engine.max_context))
+                raise ConversationTooLong(too_long(document.name, room, self.engine.max_context,
+                                                   self.engine.decodes_densely))
             segments = segment_document(document, self.engine.count_tokens)
             self._check_fits(conversation.with_document(AttachedDocument("", document.name, document.text,
                                                                          tuple(segments))))
@@ -393,7 +400,7 @@ class ChatService:
 
     def summarize(self, session_id: SessionId, progress=None) -> Iterator[Turn]:
         """Summarise the attached documents: one pass through `send` when the conversation,
-        the request and a full reply fit the window; otherwise map-reduce over segment
+        the request and a full reply fit the model's own window; otherwise map-reduce over segment
         groups (chat/summarize.py), labelled as such, with one notice per part and
         `progress(done, total, text)`. Both store the request and the answer."""
         from . import summarize as summary
@@ -405,7 +412,7 @@ class ChatService:
         if not documents:
             raise InvalidAction("there is no document to summarize; attach one first")
         prompt = self.runner.renderer.prompt(conversation)
-        if len(prompt) + self.config.sampling.max_new_tokens <= self.engine.max_context:
+        if len(prompt) + self.config.sampling.max_new_tokens <= self.engine.native_window:
             yield from self.send(session_id, summary.REQUEST)
             return
         with translated(session_id), self._flags.running(session_id) as cancel:
@@ -493,10 +500,15 @@ def capped_title(title: str, limit: int = TITLE_LIMIT) -> str:
     return " ".join(title.split())[:limit].rstrip()
 
 
-def too_long(name: str, room: int, window: int) -> str:
-    """Why a document does not fit, in the user's terms, and what they can do."""
-    return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: the model reads "
-            f"at most {window:,} tokens at once (about {window // 400:,} pages). Attach a shorter excerpt, "
+def too_long(name: str, room: int, limit: int, dense: bool) -> str:
+    """Why a document does not fit, in the user's terms, and what they can do. `limit`: the most
+    tokens a conversation holds; `dense`: Spotlight is off, so that is the model's own window."""
+    if dense:
+        return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: with Spotlight "
+                f"off the model reads at most {limit:,} tokens at once (about {limit // 400:,} pages). Turn "
+                "Spotlight on to read beyond that, attach a shorter excerpt, or start a new chat for it.")
+    return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: a conversation "
+            f"holds at most {limit:,} tokens (about {limit // 400:,} pages). Attach a shorter excerpt, "
             "or start a new chat for it.")
 
 

@@ -56,7 +56,7 @@ def map_reduce(engine, sampling, system_prompt: str, documents: Sequence[Attache
     longest = max((document.name for document in documents), key=len, default="")
     frame = engine.chat_ids(system + [{"role": "user", "content": PART_PROMPT.format(
         index=999, total=999, name=longest, text="")}], add_generation_prompt=True)
-    room = engine.max_context - sampling.max_new_tokens - len(frame) - 8
+    room = engine.native_window - sampling.max_new_tokens - len(frame) - 8  # each part within the model's window
     groups = plan_groups(documents, max(16, room), engine.count_tokens)
     parts = []
     for index, (name, text) in enumerate(groups, 1):

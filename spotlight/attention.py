@@ -228,14 +228,15 @@ class SpotlightDecode:
         c = self.config
         two_level = self.uses_spans(cache, past)
         idx = self.selector.select_chunk(layer, q, cache, past, c.far_retrieved, c.sinks, c.far_window, two_level)
-        return remapped_chunk(q, cache.k[layer], cache.v[layer], idx, past, self.rotations(cache))  # (H, T, D)
+        local = _local(past, c)  # the window's columns keep their positions
+        return remapped_chunk(q, cache.k[layer], cache.v[layer], idx, past, self.rotations(cache), local)
 
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         n = cache.length + 1  # the key of the token being decoded is already written
         if self.beyond(cache, n):
             c = self.config
             idx = self._select(layer, q, cache, n, c.far_retrieved, c.sinks, c.far_window)  # (Hkv, K)
-            return remapped_decode(q, cache.k[layer], cache.v[layer], idx, n, self.rotations(cache))  # (H, 1, D)
+            return remapped_decode(q, cache.k[layer], cache.v[layer], idx, n, self.rotations(cache), _local(n, c))
         if self.is_dense(layer, n):
             self._selected[layer] = None
             return self.attend.dense(layer, q, cache)  # (H, 1, D)
@@ -252,6 +253,12 @@ class SpotlightDecode:
         self.selections["two_level" if two_level else "flat"] += 1
         self._selected[layer] = idx
         return idx
+
+
+def _local(n: int, c: SpotlightConfig) -> int:
+    """Columns of the local window in a selection past the window over n tokens (layout's tail)."""
+    layout = kernels.selection_layout(n, c.far_retrieved, c.sinks, c.far_window)
+    return layout.n - layout.window_start
 
 
 def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx) -> torch.Tensor:

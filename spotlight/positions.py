@@ -49,32 +49,35 @@ class Rotations:
     A delta d = hi * block + lo turns by d * inv_freq = hi * block * inv_freq + lo * inv_freq, so
     cos/sin(d) follow from the tables' rows hi and lo by the angle-sum identities, in fp32 (error
     ~1e-7 whatever d, where one fp32 angle of 1M radians is off by up to 0.06). The low table has
-    `block` rows; the high one grows to the largest delta asked, so a decode step forms no angle."""
+    `block` rows; the high one grows to the largest delta asked, so a decode step forms no angle.
+    Each table holds cos and sin side by side (rows, 2D): one row gather per table and delta."""
 
     def __init__(self, inv_freq: torch.Tensor, block: int = 1024):
         self.inv_freq = inv_freq.detach().cpu()
         self.block = block
-        self._lo = rope_angles(self.inv_freq, torch.arange(block))  # cos, sin (block, D)
-        self._hi = rope_angles(self.inv_freq, torch.arange(1) * block)  # cos, sin (rows, D)
-        self._device = torch.device("cpu")
+        self._lo = torch.cat(rope_angles(self.inv_freq, torch.arange(block)), dim=-1)  # (block, 2D)
+        self._hi = torch.cat(rope_angles(self.inv_freq, torch.zeros(1, dtype=torch.int64)), dim=-1)  # (rows, 2D)
 
-    def tables(self, largest: int, device) -> tuple[torch.Tensor, ...]:
-        """(lo cos, lo sin, hi cos, hi sin) on `device`, the high table covering deltas up to `largest`."""
+    def tables(self, largest: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lo, hi) (rows, 2D) cos | sin on `device`, the high table covering deltas up to `largest`."""
         rows = largest // self.block + 1
-        if self._hi[0].shape[0] < rows or self._device != torch.device(device):
-            grown = max(rows, 2 * self._hi[0].shape[0])
-            self._hi = rope_angles(self.inv_freq, torch.arange(grown) * self.block)
-            self._lo = tuple(t.to(device) for t in self._lo)
-            self._hi = tuple(t.to(device) for t in self._hi)
-            self._device = torch.device(device)
-        return (*self._lo, *self._hi)
+        device = torch.device(device)
+        if self._hi.shape[0] < rows or self._hi.device != device:
+            grown = max(rows, 2 * self._hi.shape[0]) if self._hi.shape[0] < rows else self._hi.shape[0]
+            self._hi = torch.cat(rope_angles(self.inv_freq, torch.arange(grown) * self.block), dim=-1).to(device)
+            self._lo = self._lo.to(device)
+        return self._lo, self._hi
 
     def cos_sin(self, deltas: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (..., D) fp32 of integer `deltas` (...,) in [0, largest] (a bound, so no host sync)."""
-        lo_cos, lo_sin, hi_cos, hi_sin = self.tables(largest, deltas.device)
-        hi, lo = deltas // self.block, deltas % self.block  # (...,) each
-        c1, s1, c2, s2 = hi_cos[hi], hi_sin[hi], lo_cos[lo], lo_sin[lo]  # (..., D) each
-        return c1 * c2 - s1 * s2, s1 * c2 + c1 * s2
+        lo_table, hi_table = self.tables(largest, deltas.device)
+        flat = deltas.reshape(-1)
+        shape = (*deltas.shape, lo_table.shape[-1] // 2)
+        hi = hi_table.index_select(0, flat // self.block).view(-1, 2, shape[-1])  # (T, 2, D): cos, sin
+        lo = lo_table.index_select(0, flat % self.block).view(-1, 2, shape[-1])  # (T, 2, D)
+        cos = torch.addcmul(hi[:, 0] * lo[:, 0], hi[:, 1], lo[:, 1], value=-1)  # (T, D)
+        sin = torch.addcmul(hi[:, 1] * lo[:, 0], hi[:, 0], lo[:, 1])  # (T, D)
+        return cos.view(shape), sin.view(shape)
 
     def rotate(self, x: torch.Tensor, deltas: torch.Tensor, largest: int) -> torch.Tensor:
         """Post-RoPE rows x (..., D) moved forward by `deltas` (...,) in [0, largest] positions (see `shift`)."""

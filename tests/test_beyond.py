@@ -147,3 +147,31 @@ def test_engine_reads_past_its_window_with_spotlight_and_refuses_without():
     assert dense.max_context == 512
     with pytest.raises(ContextTooLong, match="turn Spotlight on to read beyond the window"):
         dense.prefill(dense.new_context(), ids)
+
+
+NEEDLE = "The special magic number for the city of Lisbon is 7481."  # dense finds it within the window
+QUESTION = "What is the special magic number for the city of Lisbon?"
+
+
+@pytest.mark.model
+def test_a_fact_at_10_percent_of_a_20k_token_document_comes_back_through_spotlight(engine, tmp_path):
+    """The default model (8K window) answers from a ~20K-token document attached in the service."""
+    from chat.config import AppConfig
+    from chat.service import ChatService
+    from spotlight.config import SamplingConfig
+    from spotlight.corpus import essays
+
+    hay = "\n\n".join(doc.text for doc in essays())
+    words = engine.decode(engine.encode(hay)[:20_000])
+    at = words.find(". ", len(words) // 10) + 2  # a sentence start at 10 % depth
+    document = words[:at] + NEEDLE + " " + words[at:]
+    service = ChatService(AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=16)),
+                          _engine=engine.with_spotlight(SpotlightConfig()))
+    try:
+        session = service.create()
+        info = service.attach_text(session.id, "essays.txt", document)
+        assert info.n_tokens > 2 * engine.native_window
+        turns = list(service.send(session.id, QUESTION))
+        assert "7481" in turns[-1].text, turns[-1].text
+    finally:
+        service.close()
