@@ -225,18 +225,24 @@ class SpotlightDecode:
         past, T = cache.length, q.shape[1]
         if not self.beyond(cache, past + T):
             return causal_attention(q, cache.keys(layer, T), cache.values(layer, T))  # (H, T, D)
-        c = self.config
+        sinks, retrieved, window = self.far_budget
         two_level = self.uses_spans(cache, past)
-        idx = self.selector.select_chunk(layer, q, cache, past, c.far_retrieved, c.sinks, c.far_window, two_level)
-        local = _local(past, c)  # the window's columns keep their positions
+        idx = self.selector.select_chunk(layer, q, cache, past, retrieved, sinks, window, two_level)
+        local = _local(past, retrieved, sinks, window)  # the window's columns keep their positions
         return remapped_chunk(q, cache.k[layer], cache.v[layer], idx, past, self.rotations(cache), local)
+
+    @property
+    def far_budget(self) -> tuple[int, int, int]:
+        """(sinks, retrieved, window) past the window (the engine fits them to the model's, beyond.fitted)."""
+        return self.config.sinks, self.config.far_retrieved, self.config.far_window
 
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         n = cache.length + 1  # the key of the token being decoded is already written
         if self.beyond(cache, n):
-            c = self.config
-            idx = self._select(layer, q, cache, n, c.far_retrieved, c.sinks, c.far_window)  # (Hkv, K)
-            return remapped_decode(q, cache.k[layer], cache.v[layer], idx, n, self.rotations(cache), _local(n, c))
+            sinks, retrieved, window = self.far_budget
+            idx = self._select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K)
+            local = _local(n, retrieved, sinks, window)
+            return remapped_decode(q, cache.k[layer], cache.v[layer], idx, n, self.rotations(cache), local)
         if self.is_dense(layer, n):
             self._selected[layer] = None
             return self.attend.dense(layer, q, cache)  # (H, 1, D)
@@ -255,9 +261,9 @@ class SpotlightDecode:
         return idx
 
 
-def _local(n: int, c: SpotlightConfig) -> int:
-    """Columns of the local window in a selection past the window over n tokens (layout's tail)."""
-    layout = kernels.selection_layout(n, c.far_retrieved, c.sinks, c.far_window)
+def _local(n: int, retrieved: int, sinks: int, window: int) -> int:
+    """Columns of the local window in a selection over n tokens (the layout's tail)."""
+    layout = kernels.selection_layout(n, retrieved, sinks, window)
     return layout.n - layout.window_start
 
 

@@ -23,8 +23,12 @@ is recomputed; when every token is selected every delta is 0 and this is dense a
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+
+from .config import SpotlightConfig
 
 from .model import causal_attention
 from .positions import Rotations
@@ -73,6 +77,17 @@ def remapped_chunk(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, id
     return causal_attention(q, k, v)  # (H, T, D)
 
 
-def reach(sinks: int, retrieved: int, window: int, chunk: int) -> int:
-    """The largest distance the model sees past its window, plus one: every distance stays below it."""
-    return sinks + retrieved + window + chunk
+def fitted_config(config: SpotlightConfig, native: int, chunk: int) -> SpotlightConfig:
+    """`config` with its budget past the window lowered, when needed, to fit a model's `native` window."""
+    retrieved, window = fitted(config.sinks, config.far_retrieved, config.far_window, chunk, native)
+    return dataclasses.replace(config, far_retrieved=retrieved, far_window=window)
+
+
+def fitted(sinks: int, retrieved: int, window: int, chunk: int, native: int) -> tuple[int, int]:
+    """(retrieved, window) lowered, when needed, so that sinks + retrieved + window + chunk (the
+    largest distance a chunk of `chunk` queries sees, plus one) fit the native window."""
+    room = max(2, native - sinks - chunk)
+    if retrieved + window <= room:
+        return retrieved, window
+    window = min(window, room // 2)
+    return max(1, min(retrieved, room - window)), window

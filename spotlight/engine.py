@@ -28,7 +28,7 @@ import kernels
 
 from . import loading
 from .attention import CodeSelector, DecodePolicy, DenseDecode, SpotlightDecode
-from .beyond import reach
+from .beyond import fitted_config
 from .cache import BufferPool, KVCache, kv_buffer_bytes
 from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
 from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
@@ -92,7 +92,7 @@ class Engine:
             use_quantized_linear(model, source.gguf_file, args)
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
-            check_reach(spotlight, args, config.prefill_chunk)
+            spotlight = fitted_config(spotlight, args.max_seq_len, config.prefill_chunk)
             encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)
             policy = SpotlightDecode(spotlight, CodeSelector(encoders.to(config.device)))
         for warning in warnings:
@@ -108,9 +108,9 @@ class Engine:
         unchanged, so a reply still running on it is not affected."""
         if not spotlight.enabled:
             return self if self.decodes_densely else dataclasses.replace(self, policy=DenseDecode(), warnings=())
+        spotlight = fitted_config(spotlight, self.args.max_seq_len, self.config.prefill_chunk)
         if self.spotlight == spotlight:
             return self
-        check_reach(spotlight, self.args, self.config.prefill_chunk)
         selector = self.policy.selector if isinstance(self.policy, SpotlightDecode) else None
         encoders = getattr(selector, "encoders", None)  # a CodeSelector's; other selectors have none
         warnings = self.warnings
@@ -267,16 +267,6 @@ class Engine:
             eos_ids=self.eos_ids, max_context=self.max_context, chunk=self.config.prefill_chunk,
             cancel=cancel, progress=progress, observers=observers,
         )
-
-
-def check_reach(spotlight: SpotlightConfig, args: ModelArgs, chunk: int) -> None:
-    """ValueError unless reading past the window keeps every distance inside it (spotlight/beyond.py)."""
-    farthest = reach(spotlight.sinks, spotlight.far_retrieved, spotlight.far_window, chunk)
-    if farthest > args.max_seq_len:
-        raise ValueError(
-            f"sinks {spotlight.sinks} + far_retrieved {spotlight.far_retrieved} + far_window "
-            f"{spotlight.far_window} + prefill_chunk {chunk} = {farthest} exceed the model's window of "
-            f"{args.max_seq_len} tokens; lower far_retrieved or far_window")
 
 
 def quantizes(config: EngineConfig, source: loading.ModelSource) -> bool:

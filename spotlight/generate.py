@@ -120,7 +120,7 @@ def prefill(
     """
     logits = None
     done = 0
-    for piece in _pieces(ids, chunk, len(context.tokens) + len(ids) > model.args.max_seq_len):
+    for piece in _pieces(ids, chunk, len(context.tokens) + len(ids) > context.cache.args.max_seq_len):
         if cancel is not None and cancel.is_set():
             return None
         logits = model(torch.tensor(piece, dtype=torch.long), context.cache, policy)  # (V,)

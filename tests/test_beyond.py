@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_pair
 from spotlight.attention import CodeSelector, DenseDecode, SinkWindowSelector, SpotlightDecode
-from spotlight.beyond import deltas, remapped_chunk, remapped_decode
+from spotlight.beyond import deltas, fitted, remapped_chunk, remapped_decode
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.errors import ContextTooLong
@@ -137,6 +137,11 @@ def test_sink_window_selector_past_the_window_decodes():
     assert decoded.shape == (len(STEPS), model.args.vocab_size) and bool(decoded.isfinite().all())
 
 
+def test_a_budget_too_large_for_the_window_is_lowered_to_fit_it():
+    assert fitted(4, 2048, 2048, 1024, 8192) == (2048, 2048)  # SmolLM2's window: as configured
+    assert fitted(4, 2048, 2048, 64, 2048) == (990, 990)  # 4 + 990 + 990 + 64 = 2048
+
+
 def test_engine_reads_past_its_window_with_spotlight_and_refuses_without():
     engine = tiny_engine(spotlight=True, max_seq_len=512)
     assert (engine.native_window, engine.max_context) == (512, 1_000_000)
@@ -154,6 +159,7 @@ QUESTION = "What is the special magic number for the city of Lisbon?"
 
 
 @pytest.mark.model
+@pytest.mark.timeout(3600)  # ~20K tokens of prefill: minutes on a busy 2-core machine
 def test_a_fact_at_10_percent_of_a_20k_token_document_comes_back_through_spotlight(engine, tmp_path):
     """The default model (8K window) answers from a ~20K-token document attached in the service."""
     from chat.config import AppConfig
