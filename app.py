@@ -167,7 +167,8 @@ class ServiceRef:
 def model_facts(service: ChatService) -> ui.ModelFacts:
     """What the display needs from the model (`window` None while the model cannot be loaded)."""
     try:
-        return ui.ModelFacts(service.context_window(), service.decodes_densely(), service.count_tokens)
+        return ui.ModelFacts(service.context_window(), service.decodes_densely(), service.count_tokens,
+                             service.model_window())
     except ChatError:
         return ui.ModelFacts(None, False, service.count_tokens)
 

@@ -316,7 +316,8 @@ class ChatApi:
             yield Progress.of(turn)
 
     def _check_window(self, request: ChatRequest) -> None:
-        """Refuse early (before storing anything) a request whose text alone exceeds the window."""
+        """Refuse early (before storing anything) a request whose text alone exceeds what a
+        conversation holds (`context_window`: Spotlight's cap, or the model's window when dense)."""
         window = self.service.context_window()
         texts = [request.system or "", request.last, *(text for _, text in request.history)]
         n_tokens = sum(self.service.count_tokens(text) for text in texts)

@@ -161,8 +161,13 @@ class ChatService:
         return self.engine.count_tokens(text)
 
     def context_window(self) -> int:
-        """The most tokens the model reads at once (loads the model on first use)."""
+        """The most tokens a conversation may hold (loads the model on first use): with Spotlight
+        the configured cap, read past the model's own window through retrieval; without, that window."""
         return self.engine.max_context
+
+    def model_window(self) -> int:
+        """The model's own context window in tokens: what it reads densely (loads the model on first use)."""
+        return self.engine.native_window
 
     def decodes_densely(self) -> bool:
         """Whether replies decode with dense attention (Spotlight off), not Spotlight."""
@@ -419,8 +424,9 @@ class ChatService:
         """Attach a read document (segmenter) to the conversation's prefix (the system
         message): it is cut into segments once, here, with their pages and headings, and
         stored with them. Refused with `ConversationTooLong` before any long work (tokens are
-        counted with an early exit) if the conversation would not fit the context window. Its
-        KV cache is computed on the next message (or `resume`)."""
+        counted with an early exit) if the conversation would not fit `context_window()` (past the
+        model's window it is read through Spotlight). Its KV cache is computed on the next message
+        (or `resume`)."""
         if not document.text.strip():
             raise InvalidAction(f"the document {document.name!r} is empty; attach a file with text in it")
         with translated(session_id), self._flags.running(session_id):
@@ -430,7 +436,8 @@ class ChatService:
             room = self.engine.max_context - 1 - len(self.runner.renderer.prompt(conversation))
             n_tokens = count_tokens_within(self.engine.count_tokens, document.text, room)
             if n_tokens is None:
-                raise ConversationTooLong(too_long(document.name, room, self.engine.max_context))
+                raise ConversationTooLong(too_long(document.name, room, self.engine.max_context,
+                                                   self.engine.decodes_densely))
             segments = segment_document(document, self.engine.count_tokens)
             self._check_fits(conversation.with_document(AttachedDocument("", document.name, document.text,
                                                                          tuple(segments))))
@@ -545,7 +552,7 @@ class ChatService:
         session = self.store.transcript.get_session(session_id)
         conversation = summary.conversation(session.system_prompt, self._conversation(session_id, []).documents)
         budget = min(self.config.summary_tokens,
-                     self.engine.max_context - len(self.runner.renderer.prompt(conversation)))
+                     self.engine.native_window - len(self.runner.renderer.prompt(conversation)))
         if budget < min(summary.MIN_TOKENS, self.config.summary_tokens):
             return None
 
@@ -634,10 +641,15 @@ def capped_title(title: str, limit: int = TITLE_LIMIT) -> str:
     return " ".join(title.split())[:limit].rstrip()
 
 
-def too_long(name: str, room: int, window: int) -> str:
-    """Why a document does not fit, in the user's terms, and what they can do."""
-    return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: the model reads "
-            f"at most {window:,} tokens at once (about {window // 400:,} pages). Attach a shorter excerpt, "
+def too_long(name: str, room: int, limit: int, dense: bool) -> str:
+    """Why a document does not fit, in the user's terms, and what they can do. `limit`: the most
+    tokens a conversation holds; `dense`: Spotlight is off, so that is the model's own window."""
+    if dense:
+        return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: with Spotlight "
+                f"off the model reads at most {limit:,} tokens at once (about {limit // 400:,} pages). Turn "
+                "Spotlight on to read beyond that, attach a shorter excerpt, or start a new chat for it.")
+    return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: a conversation "
+            f"holds at most {limit:,} tokens (about {limit // 400:,} pages). Attach a shorter excerpt, "
             "or start a new chat for it.")
 
 

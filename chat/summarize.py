@@ -76,7 +76,7 @@ def map_reduce(engine, sampling, system_prompt: str, documents: Sequence[Attache
     longest = max((document.name for document in documents), key=len, default="")
     frame = engine.chat_ids(system + [{"role": "user", "content": PART_PROMPT.format(
         index=999, total=999, name=longest, text="")}], add_generation_prompt=True)
-    room = engine.max_context - sampling.max_new_tokens - len(frame) - 8
+    room = engine.native_window - sampling.max_new_tokens - len(frame) - 8  # each part within the model's window
     groups = plan_groups(documents, max(16, room), engine.count_tokens)
     parts = []
     for index, (name, text) in enumerate(groups, 1):
@@ -89,9 +89,9 @@ def map_reduce(engine, sampling, system_prompt: str, documents: Sequence[Attache
             progress(index, len(groups) + 1, f"part {index} of {len(groups)}")
         yield turn
     final_tokens = min(summary_tokens or sampling.max_new_tokens,
-                       max(sampling.max_new_tokens, (engine.max_context - len(frame)) // 2))
+                       max(sampling.max_new_tokens, (engine.native_window - len(frame)) // 2))
     joined = "\n\n".join(f"Part {i}: {p}" for i, p in enumerate(parts, 1))
-    joined = engine.decode(engine.encode(joined)[: max(16, engine.max_context - final_tokens - len(frame) - 8)])
+    joined = engine.decode(engine.encode(joined)[: max(16, engine.native_window - final_tokens - len(frame) - 8)])
     final = generate(engine, system + [{"role": "user", "content": REDUCE_PROMPT.format(text=joined)}],
                      replace(sampling, max_new_tokens=final_tokens), cancel, observers) if parts else ""
     if progress is not None:

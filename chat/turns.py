@@ -77,7 +77,7 @@ class TurnRunner:
         sampling = plan.sampling or self.sampling
         closed = False
         with self.gate.hold(plan.session_id):
-            # the decode loop stops at the model's window, so no room beyond it is needed up front
+            # the decode loop stops at engine.max_context, so no room beyond it is needed up front
             capacity = min(len(prompt) + sampling.max_new_tokens + _END_OF_TURN_ROOM, self.engine.max_context)
             context, restored = self._prepare(plan.session_id, prompt, cancel, capacity, pooled=not plan.prefix_only)
             _report_restore(turn, restored)

@@ -108,9 +108,10 @@ def search_choices(sessions: list[SessionInfo], session_id: str | None) -> tuple
 class ModelFacts:
     """What the display needs from the model."""
 
-    window: int | None  # the context window in tokens; None while the model cannot be loaded
+    window: int | None  # the most tokens a conversation holds; None while the model cannot be loaded
     dense: bool  # the engine decodes densely whatever the settings say
     count_tokens: Callable[[str], int]
+    model_window: int = 0  # the model's own window; past it Spotlight reads (0: the same as `window`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +138,9 @@ def screen(sessions: list[SessionInfo], info: SessionInfo | None, history: list[
     `sessions`. `near`: the parent of a place whose version was just switched (keeps it selected);
     `interrupted`: the service found the last question without its reply (`reply_interrupted`)."""
     budget = config.sampling.max_new_tokens
-    use = None if not model.window else ContextUse(model.window, 0, 0, budget) if info is None else \
-        context_use(model.window, documents, history, budget, model.count_tokens, info.system_prompt)
+    use = None if not model.window else ContextUse(model.window, 0, 0, budget, model.model_window) if info is None \
+        else context_use(model.window, documents, history, budget, model.count_tokens, info.system_prompt,
+                         model.model_window)
     choices, chosen = version_choices(history, near)
     messages = chat_messages(history)[0] + ([interrupted_message()] if interrupted else [])
     status = f"⚠ {INTERRUPTED}. {INTERRUPTED_HINT}" if interrupted else \
@@ -301,12 +303,18 @@ def last_stats(history: list[ChatMessage]) -> dict:
 
 @dataclass(frozen=True, slots=True)
 class ContextUse:
-    """How the model's context window is used, in tokens."""
+    """How the conversation's room is used, in tokens."""
 
-    window: int
+    window: int  # the most tokens a conversation holds
     documents: int
     history: int  # system prompt, template markup and the conversation so far
     reply_budget: int  # max_new_tokens
+    model_window: int = 0  # the model's own window, past which Spotlight reads (0: `window`)
+
+    @property
+    def beyond(self) -> int:
+        """Tokens past the model's own window: read through Spotlight's retrieval."""
+        return max(0, self.used - self.model_window) if self.model_window else 0
 
     @property
     def used(self) -> int:
@@ -318,14 +326,14 @@ class ContextUse:
 
 
 def context_use(window: int, documents: list[DocumentInfo], history: list[ChatMessage], reply_budget: int,
-                count_tokens: Callable[[str], int], system_prompt: str = "") -> ContextUse:
+                count_tokens: Callable[[str], int], system_prompt: str = "", model_window: int = 0) -> ContextUse:
     """Split the context between documents and conversation. Documents count their stored
     token numbers; the conversation is counted now (`count_tokens`) plus the chat template's
     markup per message, so the gauge is right even before the first reply."""
     document_tokens = sum(d.n_tokens if d.n_tokens is not None else count_tokens(d.name) for d in documents)
     markup = TEMPLATE_TOKENS * (len(history) + 1) + DOCUMENT_WRAPPER_TOKENS * len(documents)
     conversation = count_tokens(system_prompt) + sum(count_tokens(m.content) for m in history) + markup
-    return ContextUse(window, document_tokens, conversation, reply_budget)
+    return ContextUse(window, document_tokens, conversation, reply_budget, model_window)
 
 
 def gauge_html(use: ContextUse | None) -> str:
@@ -344,8 +352,16 @@ def gauge_html(use: ContextUse | None) -> str:
         f'<div class="gauge-legend"><span class="k-doc">■</span> documents {use.documents:,} · '
         f'<span class="k-hist">■</span> conversation {use.history:,} · '
         f'<span class="k-free">■</span> room left {use.room:,} of {use.window:,} tokens '
-        f'(reply up to {reply_room:,})</div></div>'
+        f'(reply up to {reply_room:,}){beyond_text(use)}</div></div>'
     )
+
+
+def beyond_text(use: ContextUse) -> str:
+    """The gauge's note on what lies past the model's own window ("" when nothing does)."""
+    if not use.beyond:
+        return ""
+    return (f' · <span class="k-beyond">{use.beyond:,} tokens lie beyond the model\'s {use.model_window:,}-token '
+            f'window and are read through Spotlight</span>')
 
 
 def spotlight_share(spotlight: SpotlightConfig, n_tokens: int, measured: float | None = None,

@@ -10,7 +10,8 @@ A policy (`DecodePolicy`) is called by every layer of the model:
     computed exactly once (and training can record q and k);
   - `decode(layer, q, cache)` for a single-token step, q (H, 1, D) -> (H, 1, D), after
     which `selection(layer)` says what it read (for the step's observers, observers.py).
-Prefill chunks always attend densely (see model.causal_attention).
+  - `prefill(layer, q, cache)` for a prefill chunk q (H, T, D) reaching past the model's
+    native window (within it chunks attend densely, model.causal_attention).
 
 `SpotlightDecode` keeps, per KV head, the first `sinks` and last `window` tokens plus the
 `retrieved = max(k_min, ratio * N)` others that its selector ranks highest, and runs exact
@@ -21,6 +22,11 @@ top-k, Quest pages, sinks + window only) returns the same layout
 cache with stored spans (`cache.spans`, spotlight/twolevel.py) pick spans by their code
 summaries first, then tokens inside them: same layout and budget, fewer codes read. Below
 the threshold, or without spans, the flat scan runs; it is the reference.
+
+Past the model's native window (`cache.args.max_seq_len`) every layer, dense layers included,
+reads sinks + `far_window` recent tokens + `far_retrieved` selected ones, re-positioned inside
+the trained range (spotlight/beyond.py); a prefill chunk there selects once for all its queries
+by their majority code (`select_chunk`). Within the window nothing of this runs.
 
 Fast path (CPU, fp32 cache, numba): attention reads the selected rows in place
 (`kernels.gather_attend`, no gathered copies) and dense layers stream the cache once
@@ -43,7 +49,9 @@ import kernels
 
 from .config import SpotlightConfig
 from .hashing import Encoders
-from .model import dense_decode
+from .beyond import remapped_chunk, remapped_decode
+from .model import causal_attention, dense_decode, rope_inv_freq
+from .positions import Rotations
 from .twolevel import TwoLevelConfig, TwoLevelScan
 
 
@@ -71,6 +79,10 @@ class Selector(Protocol):
     def select_spans(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
         """Two-level selection: stored spans by summary first, then tokens (spotlight/twolevel.py)."""
 
+    def select_chunk(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int,
+                     two_level: bool):
+        """One selection among the first n cached tokens for all T queries q (H, T, D) of a chunk."""
+
 
 class DecodePolicy(Protocol):
     """How each layer of a decode step attends (called by model.Attention.forward)."""
@@ -93,6 +105,9 @@ class DecodePolicy(Protocol):
 
     def selection(self, layer: int):
         """The (Hkv, K) indices the last `decode` of `layer` read, None when it read all rows."""
+
+    def prefill(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
+        """A chunk's q (H, T, D), keys written at [cache.length, + T), past the native window -> (H, T, D)."""
 
 
 def fast_path(q: torch.Tensor, cache) -> bool:
@@ -152,6 +167,10 @@ class DenseDecode:
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         return self.attend.dense(layer, q, cache)  # (H, 1, D)
 
+    def prefill(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
+        T = q.shape[1]
+        return causal_attention(q, cache.keys(layer, T), cache.values(layer, T))  # (H, T, D)
+
 
 class SpotlightDecode:
     """Sparse decode attention over the tokens a selector picks."""
@@ -162,6 +181,7 @@ class SpotlightDecode:
         self.selections = {"flat": 0, "two_level": 0}  # sparse layer-steps by path, since construction
         self.attend = Attend()
         self._selected: dict[int, object] = {}  # layer -> what its last decode read (None: all rows)
+        self._rotations: Rotations | None = None  # moves keys past the window (made on first use)
 
     @property
     def code_words(self) -> int:
@@ -190,19 +210,61 @@ class SpotlightDecode:
         and cache that have spans."""
         return n_tokens >= self.config.two_level_from and self.selector.has_spans(cache)
 
+    def beyond(self, cache, n_tokens: int) -> bool:
+        """Whether `n_tokens` reach past the model's native window (then every layer remaps)."""
+        return self.config.enabled and n_tokens > cache.args.max_seq_len
+
+    def rotations(self, cache) -> Rotations:
+        if self._rotations is None:
+            self._rotations = Rotations(rope_inv_freq(cache.args))
+        return self._rotations
+
+    def prefill(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
+        """q (H, T, D) of a chunk past the window over sinks + selected + its local window
+        (re-positioned, spotlight/beyond.py) and itself -> (H, T, D)."""
+        past, T = cache.length, q.shape[1]
+        if not self.beyond(cache, past + T):
+            return causal_attention(q, cache.keys(layer, T), cache.values(layer, T))  # (H, T, D)
+        sinks, retrieved, window = self.far_budget
+        two_level = self.uses_spans(cache, past)
+        idx = self.selector.select_chunk(layer, q, cache, past, retrieved, sinks, window, two_level)
+        local = _local(past, retrieved, sinks, window)  # the window's columns keep their positions
+        return remapped_chunk(q, cache.k[layer], cache.v[layer], idx, past, self.rotations(cache), local)
+
+    @property
+    def far_budget(self) -> tuple[int, int, int]:
+        """(sinks, retrieved, window) past the window (the engine fits them to the model's, beyond.fitted)."""
+        return self.config.sinks, self.config.far_retrieved, self.config.far_window
+
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         n = cache.length + 1  # the key of the token being decoded is already written
+        if self.beyond(cache, n):
+            sinks, retrieved, window = self.far_budget
+            idx = self._select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K)
+            local = _local(n, retrieved, sinks, window)
+            return remapped_decode(q, cache.k[layer], cache.v[layer], idx, n, self.rotations(cache), local)
         if self.is_dense(layer, n):
             self._selected[layer] = None
             return self.attend.dense(layer, q, cache)  # (H, 1, D)
         c = self.config
         retrieved = max(c.k_min, int(c.ratio * n))
+        idx = self._select(layer, q, cache, n, retrieved, c.sinks, c.window)  # (Hkv, K) int
+        return self.attend.sparse(layer, q, cache, idx)  # (H, 1, D)
+
+    def _select(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
+        """The selector's (Hkv, K) pick for a decode step, flat or two-level, kept as `selection(layer)`."""
         two_level = self.uses_spans(cache, n)
         select = self.selector.select_spans if two_level else self.selector.select
-        idx = select(layer, q, cache, n, retrieved, c.sinks, c.window)  # (Hkv, K) int
+        idx = select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K) int
         self.selections["two_level" if two_level else "flat"] += 1
         self._selected[layer] = idx
-        return self.attend.sparse(layer, q, cache, idx)  # (H, 1, D)
+        return idx
+
+
+def _local(n: int, retrieved: int, sinks: int, window: int) -> int:
+    """Columns of the local window in a selection over n tokens (the layout's tail)."""
+    layout = kernels.selection_layout(n, retrieved, sinks, window)
+    return layout.n - layout.window_start
 
 
 def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx) -> torch.Tensor:
@@ -277,7 +339,26 @@ class CodeSelector:
         return self._q_codes  # (H, W)
 
     def select(self, layer, q, cache, n, retrieved, sinks, window):
-        q_codes = self.query_codes(layer, q)  # (H, W)
+        return self._scan(layer, self.query_codes(layer, q), cache, n, retrieved, sinks, window)
+
+    def chunk_codes(self, layer: int, q: torch.Tensor):
+        """Packed (H, W) majority codes of a chunk's queries q (H, T, D): bit set where most of the
+        T queries of a head set it (numpy on the CPU, int64 on a GPU: the same bits)."""
+        h = self.encoders.query_bits(layer, q).detach().float()  # (H, T, C)
+        majority = (h > 0).float().mean(1) - 0.5  # (H, C): > 0 where more than half set the bit
+        if not majority.is_cuda:
+            return kernels.pack(majority.numpy())  # (H, W)
+        return kernels.pack(majority, out=torch.empty((q.shape[0], self.code_words), dtype=torch.int64,
+                                                       device=q.device))
+
+    def select_chunk(self, layer, q, cache, n, retrieved, sinks, window, two_level):
+        q_codes = self.chunk_codes(layer, q)  # (H, W)
+        if two_level:
+            return self._two_level(layer, q_codes, cache, n, retrieved, sinks, window)
+        return self._scan(layer, q_codes, cache, n, retrieved, sinks, window)
+
+    def _scan(self, layer, q_codes, cache, n, retrieved, sinks, window):
+        """The flat scan for query codes (H, W) over the first n key codes of `layer`."""
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
         kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
@@ -290,7 +371,9 @@ class CodeSelector:
 
     def select_spans(self, layer, q, cache, n, retrieved, sinks, window):
         """`select` restricted to the best spans of cache.spans and every token outside them."""
-        q_codes = self.query_codes(layer, q)  # (H, W)
+        return self._two_level(layer, self.query_codes(layer, q), cache, n, retrieved, sinks, window)
+
+    def _two_level(self, layer, q_codes, cache, n, retrieved, sinks, window):
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
         return self.two_level.select(layer, q_codes, k_codes, cache.spans, n, retrieved, sinks, window, out,
@@ -342,6 +425,10 @@ class _Uncoded:
 
     def select_spans(self, layer, q, cache, n, retrieved, sinks, window):
         raise RuntimeError(f"{type(self).__name__} has no two-level scan; SpotlightDecode checks has_spans first")
+
+    def select_chunk(self, layer, q, cache, n, retrieved, sinks, window, two_level):
+        """`select` for the chunk's mean query (H, 1, D)."""
+        return self.select(layer, q.mean(1, keepdim=True), cache, n, retrieved, sinks, window)
 
 
 class OracleSelector(_Uncoded):

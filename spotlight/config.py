@@ -178,6 +178,13 @@ class SpotlightConfig:
     # the trained encoders it keeps 4.3-8.4 recall points less than the flat scan (docs/DECISIONS.md);
     # a flat scan at 32K costs ~0.1 ms per layer, too little to trade.
     two_level_from: int = 65536
+    # Past the model's native window every layer reads sinks + the last `far_window` tokens (true
+    # distances) + the `far_retrieved` best others by their codes, re-positioned just before the
+    # window (spotlight/beyond.py). A fixed number, not a share of N: about what the model was
+    # trained to attend to (the oracle experiment: 2,048 + 2,048 held a needle at 16K).
+    far_window: int = 2048
+    far_retrieved: int = 2048
+    max_context: int = 1_000_000  # tokens a conversation may hold with Spotlight (the window without)
 
     def __post_init__(self):
         if not 32 <= self.bits <= 256 or self.bits % 32:
@@ -186,6 +193,8 @@ class SpotlightConfig:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
         if min(self.sinks, self.window, self.k_min, self.dense_below, self.two_level_from) < 0:
             raise ValueError("sinks, window, k_min, dense_below and two_level_from must be >= 0")
+        if min(self.far_window, self.far_retrieved) < 1 or self.max_context < 2:
+            raise ValueError("far_window and far_retrieved must be >= 1 and max_context >= 2")
 
     @property
     def words(self) -> int:

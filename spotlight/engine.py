@@ -28,6 +28,7 @@ import kernels
 
 from . import loading
 from .attention import CodeSelector, DecodePolicy, DenseDecode, SpotlightDecode
+from .beyond import fitted_config
 from .cache import BufferPool, KVCache, kv_buffer_bytes
 from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
 from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
@@ -95,6 +96,7 @@ class Engine:
             quantize_to_q8_0(model)  # a Hugging Face model's linears into Q8_0 blocks (--quantize q8_0)
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
+            spotlight = fitted_config(spotlight, args.max_seq_len, config.prefill_chunk)
             encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)
             policy = SpotlightDecode(spotlight, CodeSelector(encoders.to(config.device)))
         for warning in warnings:
@@ -110,6 +112,7 @@ class Engine:
         unchanged, so a reply still running on it is not affected."""
         if not spotlight.enabled:
             return self if self.decodes_densely else dataclasses.replace(self, policy=DenseDecode(), warnings=())
+        spotlight = fitted_config(spotlight, self.args.max_seq_len, self.config.prefill_chunk)
         if self.spotlight == spotlight:
             return self
         selector = self.policy.selector if isinstance(self.policy, SpotlightDecode) else None
@@ -142,6 +145,13 @@ class Engine:
 
     @property
     def max_context(self) -> int:
+        """The most tokens a conversation may hold: Spotlight's cap (`max_context`), reading past
+        the model's window through retrieval (spotlight/beyond.py); the window when dense."""
+        return self.native_window if self.spotlight is None else max(self.spotlight.max_context, self.native_window)
+
+    @property
+    def native_window(self) -> int:
+        """The model's own context window (what it was trained on), in tokens."""
         return self.args.max_seq_len
 
     @property
@@ -223,12 +233,19 @@ class Engine:
         return self.pieces(text)
 
     def check_fits(self, n_tokens: int, reply_tokens: int = 0) -> None:
-        """Raise ContextTooLong unless `n_tokens` + `reply_tokens` fit the model's window."""
-        if n_tokens + reply_tokens > self.max_context:
+        """Raise ContextTooLong unless `n_tokens` + `reply_tokens` fit `max_context`."""
+        if n_tokens + reply_tokens <= self.max_context:
+            return
+        if self.spotlight is None:
             raise ContextTooLong(
-                f"{n_tokens} prompt tokens + {reply_tokens} reply tokens exceed the model's context "
-                f"window of {self.max_context} tokens; shorten the input or lower max_new_tokens"
+                f"{n_tokens:,} prompt tokens + {reply_tokens:,} reply tokens exceed the model's context "
+                f"window of {self.max_context:,} tokens with Spotlight off; turn Spotlight on to read "
+                f"beyond the window, or shorten the input"
             )
+        raise ContextTooLong(
+            f"{n_tokens:,} prompt tokens + {reply_tokens:,} reply tokens exceed the limit of "
+            f"{self.max_context:,} tokens per conversation; shorten the input or raise the limit"
+        )
 
     def prefill(self, context: Context, ids: list[int], *, progress: ProgressFn | None = None,
                 cancel: threading.Event | None = None) -> bool:
@@ -236,6 +253,7 @@ class Engine:
         appended, False when cancelled (the context then holds the chunks computed, consistently).
         `progress(done, total)` is called after each chunk."""
         start = len(context.tokens)
+        self.check_fits(start + len(ids))
         prefill(self.model, context, ids, self.policy, chunk=self.config.prefill_chunk, cancel=cancel,
                 progress=progress)
         return len(context.tokens) == start + len(ids)

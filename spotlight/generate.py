@@ -114,20 +114,30 @@ def prefill(
     """Append `ids` to the context in chunks; logits (V,) of the last token, None if cancelled
     (or `ids` is empty).
 
-    Between chunks the cache is consistent, so a cancelled prefill keeps what it computed.
+    Between chunks the cache is consistent, so a cancelled prefill keeps what it computed. Past
+    the model's native window the last token runs alone, as a decode step: the logits that start
+    a reply come from its own selection, not from its chunk's shared one (spotlight/beyond.py).
     """
     logits = None
     done = 0
-    for start in range(0, len(ids), chunk):
+    for piece in _pieces(ids, chunk, len(context.tokens) + len(ids) > context.cache.args.max_seq_len):
         if cancel is not None and cancel.is_set():
             return None
-        piece = ids[start : start + chunk]
         logits = model(torch.tensor(piece, dtype=torch.long), context.cache, policy)  # (V,)
         context.tokens.extend(piece)
         done += len(piece)
         if progress is not None:
             progress(done, len(ids))
     return logits
+
+
+def _pieces(ids: list[int], chunk: int, last_alone: bool) -> Iterator[list[int]]:
+    """`ids` in chunks of `chunk`; with `last_alone` the last id is a piece of its own."""
+    body = len(ids) - 1 if last_alone and len(ids) > 1 else len(ids)
+    for start in range(0, body, chunk):
+        yield ids[start : min(start + chunk, body)]
+    if body < len(ids):
+        yield ids[body:]
 
 
 def sync_prompt(context: Context, ids: list[int]) -> list[int]:
@@ -224,7 +234,7 @@ def stream(
     step reports to `observers` (spotlight/observers.py)."""
     if len(prompt_ids) >= max_context:
         raise ContextTooLong(
-            f"the prompt has {len(prompt_ids)} tokens but the model's context window is {max_context}; "
+            f"the prompt has {len(prompt_ids):,} tokens but at most {max_context:,} fit this conversation; "
             f"shorten the document or the conversation"
         )
     stats = Stats()

@@ -4,9 +4,12 @@ Shape legend: T new tokens, N cached tokens (including the T being written), E h
 size, F MLP width, H query heads, Hkv KV heads, G = H / Hkv, D head dim, V vocabulary.
 Batch size is 1 throughout: one conversation per forward.
 
-Prefill chunks (T > 1) always use dense causal attention over the cache. A decode step
-(T = 1) hands attention to the `DecodePolicy` (dense or Spotlight, see attention.py),
-which also sees every key as it enters the cache (to compute its code once).
+Prefill chunks (T > 1) within the model's native window (`max_seq_len`) use dense causal
+attention over the cache; a chunk reaching past it, and every decode step (T = 1), hand
+attention to the `DecodePolicy` (dense or Spotlight, see attention.py and beyond.py), which
+also sees every key as it enters the cache (to compute its code once). RoPE angles of
+positions past the window are formed in float64 (positions.rope_angles), the table's fp32
+ones inside it.
 
 Plain torch: the CPU decode fast path for the weight products (spotlight/onerow.py) is swapped
 in at load time.
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs, RopeScaling
+from .positions import rope_angles
 
 
 class RMSNorm(nn.Module):
@@ -106,6 +110,9 @@ class Attention(nn.Module):
             out = policy.decode(self.layer, q, cache)  # (H, 1, D)
             for observer in observers:
                 observer.on_layer(self.layer, q, cache, policy.selection(self.layer))
+        elif cache.length + T > cache.args.max_seq_len:  # past the native window: the policy's (beyond.py)
+            out = policy.prefill(self.layer, q, cache)  # (H, T, D)
+            out = out[:, -1:] if last_only else out
         elif last_only:  # the last query sees every cached key: no mask
             out = dense_decode(q[:, -1:], cache.keys(self.layer, T), cache.values(self.layer, T))  # (H, 1, D)
         else:
@@ -238,7 +245,9 @@ class Transformer(nn.Module):
         self.rope_cos = self.rope_sin = None
 
     def setup_rope(self, n_positions: int) -> None:
-        """Precompute cos/sin for positions [0, n_positions); called when the cache grows."""
+        """Precompute cos/sin for positions [0, n_positions) within the native window; called when
+        the cache grows (positions past it are formed per forward, `rope`)."""
+        n_positions = min(n_positions, self.args.max_seq_len)
         if self.rope_cos is None or self.rope_cos.shape[0] < n_positions:
             cos, sin = rope_table(self.inv_freq.float().cpu(), n_positions)
             dtype, device = self.tok_embeddings.weight.dtype, self.tok_embeddings.weight.device
@@ -255,7 +264,7 @@ class Transformer(nn.Module):
         start = cache.length
         cache.reserve(start + T)
         self.setup_rope(cache.capacity)
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, D)
+        cos, sin = self.rope(start, T)  # (T, D)
         x = self.tok_embeddings(tokens)  # (T, E)
         mask = chunk_mask(x, T, start)  # (T, start + T) or None, built once for every layer
         last = len(self.layers) - 1
@@ -266,6 +275,22 @@ class Transformer(nn.Module):
         cache.advance(T)
         logits = self.output(self.norm(x))  # (T or 1, V)
         return logits if all_logits else logits[0]
+
+    def rope(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) of positions [start, start + T): the table's rows within the native
+        window, float64-formed angles past it (an fp32 angle of 1M radians is off by 0.06)."""
+        inside = max(0, min(start + T, self.rope_cos.shape[0]) - start)
+        cos, sin = self.rope_cos[start : start + inside], self.rope_sin[start : start + inside]  # (inside, D)
+        if inside == T:
+            return cos, sin
+        far_cos, far_sin = _far_rope(self.inv_freq, start + inside, start + T, self.rope_cos)  # (T - inside, D)
+        return torch.cat([cos, far_cos]), torch.cat([sin, far_sin])
+
+
+def _far_rope(inv_freq: torch.Tensor, start: int, end: int, like: torch.Tensor):
+    """cos, sin (end - start, D) of positions [start, end), angles formed in float64, as `like`."""
+    cos, sin = rope_angles(inv_freq.float().cpu(), torch.arange(start, end))
+    return cos.to(like.device, like.dtype), sin.to(like.device, like.dtype)
 
 
 def remap_hf_state(state: dict, args: ModelArgs) -> dict:

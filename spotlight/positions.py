@@ -41,3 +41,45 @@ def shift(x: torch.Tensor, delta: torch.Tensor | int, inv_freq: torch.Tensor) ->
     cos, sin = rope_angles(inv_freq, deltas, dtype=torch.float64)  # (T, D)
     rotated = x.to(torch.float64) * cos + rotate_half(x.to(torch.float64)) * sin  # (..., T, D)
     return rotated.to(x.dtype)
+
+
+class Rotations:
+    """cos, sin of many integer deltas in fp32 from two small float64-formed tables.
+
+    A delta d = hi * block + lo turns by d * inv_freq = hi * block * inv_freq + lo * inv_freq, so
+    cos/sin(d) follow from the tables' rows hi and lo by the angle-sum identities, in fp32 (error
+    ~1e-7 whatever d, where one fp32 angle of 1M radians is off by up to 0.06). The low table has
+    `block` rows; the high one grows to the largest delta asked, so a decode step forms no angle.
+    Each table holds cos and sin side by side (rows, 2D): one row gather per table and delta."""
+
+    def __init__(self, inv_freq: torch.Tensor, block: int = 1024):
+        self.inv_freq = inv_freq.detach().cpu()
+        self.block = block
+        self._lo = torch.cat(rope_angles(self.inv_freq, torch.arange(block)), dim=-1)  # (block, 2D)
+        self._hi = torch.cat(rope_angles(self.inv_freq, torch.zeros(1, dtype=torch.int64)), dim=-1)  # (rows, 2D)
+
+    def tables(self, largest: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lo, hi) (rows, 2D) cos | sin on `device`, the high table covering deltas up to `largest`."""
+        rows = largest // self.block + 1
+        device = torch.device(device)
+        if self._hi.shape[0] < rows or self._hi.device != device:
+            grown = max(rows, 2 * self._hi.shape[0]) if self._hi.shape[0] < rows else self._hi.shape[0]
+            self._hi = torch.cat(rope_angles(self.inv_freq, torch.arange(grown) * self.block), dim=-1).to(device)
+            self._lo = self._lo.to(device)
+        return self._lo, self._hi
+
+    def cos_sin(self, deltas: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (..., D) fp32 of integer `deltas` (...,) in [0, largest] (a bound, so no host sync)."""
+        lo_table, hi_table = self.tables(largest, deltas.device)
+        flat = deltas.reshape(-1)
+        shape = (*deltas.shape, lo_table.shape[-1] // 2)
+        hi = hi_table.index_select(0, flat // self.block).view(-1, 2, shape[-1])  # (T, 2, D): cos, sin
+        lo = lo_table.index_select(0, flat % self.block).view(-1, 2, shape[-1])  # (T, 2, D)
+        cos = torch.addcmul(hi[:, 0] * lo[:, 0], hi[:, 1], lo[:, 1], value=-1)  # (T, D)
+        sin = torch.addcmul(hi[:, 1] * lo[:, 0], hi[:, 0], lo[:, 1])  # (T, D)
+        return cos.view(shape), sin.view(shape)
+
+    def rotate(self, x: torch.Tensor, deltas: torch.Tensor, largest: int) -> torch.Tensor:
+        """Post-RoPE rows x (..., D) moved forward by `deltas` (...,) in [0, largest] positions (see `shift`)."""
+        cos, sin = self.cos_sin(deltas, largest)  # (..., D)
+        return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)

@@ -97,7 +97,9 @@ def tiny_engine(
         model = use_onerow_linear(Transformer(args).eval().requires_grad_(False).to(dtype))  # as Engine.load does
     policy = DenseDecode()
     if spotlight:
-        config = SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16)
+        far = min(2048, max_seq_len // 4)  # past the window: sinks + far + far + a chunk fit inside it
+        config = SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16, far_window=far,
+                                 far_retrieved=far)
         spec = EncoderSpec.for_model(args, config.bits)
         encoders = Encoders(spec, seed=seed if encoder_seed is None else encoder_seed, model_fingerprint="tiny")
         policy = SpotlightDecode(config, CodeSelector(encoders))

@@ -183,6 +183,15 @@ def test_context_use_counts_documents_conversation_and_room():
     assert "gauge-warn" in ui.gauge_html(ui.ContextUse(1000, 900, 50, 256))  # less room than a full reply
 
 
+def test_the_gauge_says_how_much_lies_beyond_the_model_window():
+    docs = [DocumentInfo("d1", "book.txt", 80_000, 20_000)]
+    use = ui.context_use(1_000_000, docs, [], 256, count_tokens=len, model_window=8192)
+    assert use.beyond == use.used - 8192
+    assert (f"{use.beyond:,} tokens lie beyond the model's 8,192-token window and are read through Spotlight"
+            in ui.gauge_html(use))
+    assert "beyond" not in ui.gauge_html(ui.ContextUse(1_000_000, 4000, 100, 256, 8192))  # all inside the window
+
+
 def test_turn_line_shows_cached_computed_restored_and_speeds():
     turn = Turn("s", "text", finish="eos", cached_tokens=3000, prefill_tokens=120, restored_tokens=2990,
                 prefill_tps=340.0, decode_tokens=20, decode_tps=11.5)

@@ -6,6 +6,7 @@ memory: conversations that resume instantly and never lose data".
 """
 import json
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -322,6 +323,28 @@ def test_attached_document_is_in_the_prefix_and_too_long_is_refused(service):
         service.attach_text(session.id, "blank.txt", "  ")
 
 
+def test_a_document_far_beyond_the_window_attaches_and_is_answered_through_spotlight(config):
+    """20K tokens into a model whose window is 512: attached, prefilled and answered (issue #21)."""
+    engine = tiny_engine(seed=1, spotlight=True, max_seq_len=512, prefill_chunk=128)
+    service = ChatService(config, _engine=engine)
+    try:
+        session = service.create()
+        text = "".join(f"Line {i} of the long report says nothing new. " for i in range(460))  # 20K bytes
+        info = service.attach_text(session.id, "report.txt", text)
+        assert (info.n_tokens, service.context_window(), service.model_window()) == (len(text), 1_000_000, 512)
+        _, turn = finish(service.send(session.id, "What does line 7 say?"))
+        assert turn.finish in ("eos", "length", "stop") and turn.spotlight
+        assert turn.prefill_tokens + turn.cached_tokens > 20_000
+        assert [m.role for m in service.history(session.id)] == ["user", "assistant"]
+        capped = ChatService(config.with_(home=config.home / "capped"),
+                             _engine=engine.with_spotlight(replace(engine.spotlight, max_context=5000)))
+        with pytest.raises(ConversationTooLong, match="a conversation holds at most 5,000 tokens"):
+            capped.attach_text(capped.create().id, "report.txt", text)
+        capped.close()
+    finally:
+        service.close()
+
+
 def test_export_import_round_trip_and_markdown(service):
     session = service.create("Round trip")
     service.attach_text(session.id, "notes.txt", "The café opens at 8.")
@@ -457,7 +480,9 @@ def test_spotlight_settings_swap_the_decode_policy_and_never_reuse_wrong_state(t
     on = service.reconfigured(off.with_(spotlight=small))
     engine = on.engine
     assert (engine.model, engine.tokenizer, type(engine.policy), engine.policy.config) == (
-        dense.model, dense.tokenizer, SpotlightDecode, small)  # the loaded model is kept, the policy swapped
+        dense.model, dense.tokenizer, SpotlightDecode,
+        replace(small, far_window=990, far_retrieved=990))  # the model kept, the policy swapped, its budget
+    # past the window fitted to the 2,048-token window: 4 sinks + 990 + 990 + a 64-token chunk
     assert type(dense.policy) is DenseDecode  # the old engine is untouched (a running reply keeps it)
     assert [w.split(":")[0] for w in on.warnings()] == ["no trained Spotlight encoders for this model at 64 bits"]
     _, second = finish(on.send(session.id, "And on Sunday?"))

@@ -118,7 +118,7 @@ def test_prompt_longer_than_context_names_the_limit():
     from spotlight.errors import ContextTooLong
 
     _, model = tiny_pair("llama")
-    with pytest.raises(ContextTooLong, match="context window is 40"):
+    with pytest.raises(ContextTooLong, match="at most 40 fit this conversation"):
         run(model, new_context(model), list(range(50)), SamplingConfig(), max_context=40)
 
 

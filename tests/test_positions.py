@@ -6,7 +6,7 @@ import torch
 
 from spotlight.config import ModelArgs
 from spotlight.model import apply_rope, rope_inv_freq
-from spotlight.positions import rope_angles, shift
+from spotlight.positions import Rotations, rope_angles, shift
 
 ARGS = ModelArgs(vocab_size=16, dim=128, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64,
                  intermediate_size=64, max_seq_len=8192, norm_eps=1e-6, rope_theta=100000.0)
@@ -49,3 +49,25 @@ def test_per_row_shifts_keep_scores_a_function_of_distance():
     q = apply_rope(q_raw, *rope_angles(inv_freq, torch.tensor([8191])))
     expected = apply_rope(k_raw, *rope_angles(inv_freq, new))
     assert torch.allclose(q @ moved.transpose(-1, -2), q @ expected.transpose(-1, -2), atol=1e-4, rtol=0)
+
+
+def test_rotations_from_two_tables_equal_float64_angles_up_to_a_million():
+    inv_freq = rope_inv_freq(ARGS)
+    rotations = Rotations(inv_freq, block=1024)
+    cos, sin = rotations.cos_sin(POSITIONS, largest=int(POSITIONS.max()))
+    exact_cos, exact_sin = rope_angles(inv_freq, POSITIONS, dtype=torch.float64)
+    assert cos.dtype == torch.float32
+    torch.testing.assert_close((cos.double(), sin.double()), (exact_cos, exact_sin), rtol=0, atol=1e-6)
+
+
+def test_a_key_rotated_in_fp32_by_the_tables_equals_rope_at_the_new_position_in_float64():
+    torch.manual_seed(2)
+    inv_freq = rope_inv_freq(ARGS)
+    raw = torch.randn(2, len(POSITIONS), ARGS.head_dim, dtype=torch.float64)  # (Hkv, T, D)
+    cached = apply_rope(raw, *rope_angles(inv_freq, POSITIONS, dtype=torch.float64))
+    moves = torch.arange(len(POSITIONS)) * 124_999 + 7  # (T,) forward, up to 1,000,000
+    target = POSITIONS + moves
+    moved = Rotations(inv_freq).rotate(cached.float(), moves.expand(2, -1), largest=int(moves.max()))
+    at_new = apply_rope(raw, *rope_angles(inv_freq, target, dtype=torch.float64))
+    torch.testing.assert_close(moved.double(), at_new, rtol=0, atol=2e-5)
+    torch.testing.assert_close(shift(cached, target - POSITIONS, inv_freq), at_new, rtol=0, atol=1e-9)
