@@ -437,7 +437,7 @@ class ChatService:
             n_tokens = count_tokens_within(self.engine.count_tokens, document.text, room)
             if n_tokens is None:
                 raise ConversationTooLong(too_long(document.name, room, self.engine.max_context,
-                                                   self.engine.decodes_densely))
+                                                   self.engine.decodes_densely, self.engine.memory_bound))
             segments = segment_document(document, self.engine.count_tokens)
             self._check_fits(conversation.with_document(AttachedDocument("", document.name, document.text,
                                                                          tuple(segments))))
@@ -641,7 +641,7 @@ def capped_title(title: str, limit: int = TITLE_LIMIT) -> str:
     return " ".join(title.split())[:limit].rstrip()
 
 
-def too_long(name: str, room: int, limit: int, dense: bool) -> str:
+def too_long(name: str, room: int, limit: int, dense: bool, memory_bound: bool = False) -> str:
     """Why a document does not fit, in the user's terms, and what they can do. `limit`: the most
     tokens a conversation holds; `dense`: Spotlight is off, so that is the model's own window."""
     if dense:
@@ -649,8 +649,8 @@ def too_long(name: str, room: int, limit: int, dense: bool) -> str:
                 f"off the model reads at most {limit:,} tokens at once (about {limit // 400:,} pages). Turn "
                 "Spotlight on to read beyond that, attach a shorter excerpt, or start a new chat for it.")
     return (f"{name} is longer than the {max(room, 0):,} tokens left in this conversation: a conversation "
-            f"holds at most {limit:,} tokens (about {limit // 400:,} pages). Attach a shorter excerpt, "
-            "or start a new chat for it.")
+            f"holds at most {limit:,} tokens (about {limit // 400:,} pages){' on this machine, whose memory must hold its cache' if memory_bound else ''}. "
+            "Attach a shorter excerpt, or start a new chat for it.")
 
 
 def window_full(documents: list[tuple[str, int]], n_tokens: int, window: int, fresh_chat_fits: bool) -> str:

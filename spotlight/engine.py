@@ -44,6 +44,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _INITIAL_CAPACITY = 1024  # tokens; the cache grows geometrically beyond this
 _POOL_TOKENS_MAX = 32768  # the default buffer pool covers the model's window up to this many tokens
 _WARM_UP_TOKENS = 2  # tokens decoded by warm_up: the first runs the decode path once
+# Until cached rows live outside RAM (issue #21, Build 3) one conversation's K/V rows must fit in
+# memory: past the window they may take at most this share of the machine's physical RAM.
+KV_MEMORY_SHARE = 0.5
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # shipped encoder checkpoints
 log = logging.getLogger("spotlight")
 
@@ -146,8 +149,27 @@ class Engine:
     @property
     def max_context(self) -> int:
         """The most tokens a conversation may hold: Spotlight's cap (`max_context`), reading past
-        the model's window through retrieval (spotlight/beyond.py); the window when dense."""
-        return self.native_window if self.spotlight is None else max(self.spotlight.max_context, self.native_window)
+        the model's window through retrieval (spotlight/beyond.py), and no more than `memory_tokens`;
+        the window when dense."""
+        if self.spotlight is None:
+            return self.native_window
+        return max(min(self.spotlight.max_context, self.memory_tokens), self.native_window)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V rows one cached token takes (every layer and KV head)."""
+        itemsize = self.model.tok_embeddings.weight.element_size()
+        return 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * itemsize
+
+    @property
+    def memory_tokens(self) -> int:
+        """The most tokens whose K/V rows fit in KV_MEMORY_SHARE of this machine's physical RAM."""
+        return int(KV_MEMORY_SHARE * physical_memory_bytes()) // self.kv_bytes_per_token
+
+    @property
+    def memory_bound(self) -> bool:
+        """True when this machine's memory, not Spotlight's cap, limits a conversation's length."""
+        return self.spotlight is not None and self.memory_tokens < self.spotlight.max_context
 
     @property
     def native_window(self) -> int:
@@ -242,9 +264,10 @@ class Engine:
                 f"window of {self.max_context:,} tokens with Spotlight off; turn Spotlight on to read "
                 f"beyond the window, or shorten the input"
             )
+        why = " (what this machine's memory holds)" if self.memory_bound else ""
         raise ContextTooLong(
             f"{n_tokens:,} prompt tokens + {reply_tokens:,} reply tokens exceed the limit of "
-            f"{self.max_context:,} tokens per conversation; shorten the input or raise the limit"
+            f"{self.max_context:,} tokens per conversation{why}; shorten the input or raise the limit"
         )
 
     def prefill(self, context: Context, ids: list[int], *, progress: ProgressFn | None = None,
@@ -303,3 +326,13 @@ def find_encoders(args: ModelArgs, fingerprint: str, bits: int, path: str | None
     warning = (f"no trained Spotlight encoders for this model at {bits} bits: using untrained (identity-like) "
                f"codes, which retrieve less precisely; train them with `python -m spotlight.train`")
     return Encoders(EncoderSpec.for_model(args, bits), model_fingerprint=fingerprint), [warning]
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical RAM in bytes (POSIX sysconf; 16 GiB where it cannot be read)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30

@@ -1,5 +1,7 @@
 """Attention past the model's native window (spotlight/beyond.py, issue #21): re-positioned
 sinks and retrieved tokens, chunked prefill past the window, and the engine's limits."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ from spotlight.attention import CodeSelector, DenseDecode, SinkWindowSelector, S
 from spotlight.beyond import deltas, fitted, remapped_chunk, remapped_decode
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
+from spotlight.engine import KV_MEMORY_SHARE, physical_memory_bytes
 from spotlight.errors import ContextTooLong
 from spotlight.hashing import EncoderSpec, Encoders
 from spotlight.model import apply_rope, causal_attention, rope_inv_freq
@@ -152,6 +155,23 @@ def test_engine_reads_past_its_window_with_spotlight_and_refuses_without():
     assert dense.max_context == 512
     with pytest.raises(ContextTooLong, match="turn Spotlight on to read beyond the window"):
         dense.prefill(dense.new_context(), ids)
+
+
+def test_a_conversation_past_the_window_is_capped_by_what_memory_holds():
+    """Until cached rows live outside RAM, the K/V rows of one conversation must fit in
+    KV_MEMORY_SHARE of the machine's memory; the refusal says that memory is the limit."""
+    engine = tiny_engine(spotlight=True, max_seq_len=512)
+    args = engine.args
+    assert engine.kv_bytes_per_token == 2 * args.n_layers * args.n_kv_heads * args.head_dim * 4  # fp32 K and V
+    assert (engine.memory_tokens, engine.memory_bound) == (
+        int(KV_MEMORY_SHARE * physical_memory_bytes()) // engine.kv_bytes_per_token, False)
+    huge = engine.with_spotlight(dataclasses.replace(engine.spotlight, max_context=10 * engine.memory_tokens))
+    assert (huge.max_context, huge.memory_bound) == (engine.memory_tokens, True)
+    with pytest.raises(ContextTooLong) as refused:
+        huge.check_fits(huge.max_context, 1)
+    assert str(refused.value) == (
+        f"{huge.max_context:,} prompt tokens + 1 reply tokens exceed the limit of {huge.max_context:,} tokens per "
+        "conversation (what this machine's memory holds); shorten the input or raise the limit")
 
 
 NEEDLE = "The special magic number for the city of Lisbon is 7481."  # dense finds it within the window
