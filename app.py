@@ -1,6 +1,7 @@
 """Spotlight Chat: the Gradio front end. Handlers only adapt values and call chat/.
 
     python app.py [--host 127.0.0.1] [--port 7860] [--model PATH] [--max-new-tokens N] [--password SECRET]
+                  [--max-upload-mb 20] [--max-document-tokens N]
 
 Everything the UI shows comes from the chat service (conversations, messages, documents
 and their numbers live in the store under SPOTLIGHT_HOME), so a reload or a server restart
@@ -38,7 +39,7 @@ from chat.api import ApiConfig  # noqa: E402
 from chat.errors import ChatError, NotFoundError  # noqa: E402
 from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
-from chat.config import WEIGHTS, AppConfig, EngineConfig  # noqa: E402
+from chat.config import MB, WEIGHTS, AppConfig, EngineConfig, UploadLimits  # noqa: E402
 
 STREAM_EVERY = 0.08  # seconds between UI updates while streaming (~12 Hz: long answers stay smooth)
 ENGINE = {"concurrency_id": "engine", "concurrency_limit": 1}  # one model, one queue for all its events
@@ -456,17 +457,28 @@ class Handlers:
         """A conversation exported as JSON, imported as a new one and opened."""
         return self.view(self.service.import_json(Path(path).read_bytes()).id)
 
-    def upload(self, session_id: str | None, paths: list[str] | None, progress=gr.Progress()) -> View:
-        """Attach the files (to a new conversation when none is open) and read them into the cache."""
+    def upload(self, session_id: str | None, paths: list[str] | None, progress=gr.Progress(),
+               request: gr.Request = None) -> View:
+        """Attach the files (to a new conversation when none is open) and read them into the cache;
+        closing the tab stops the reading (`tab_closed`)."""
         service = self.service
         created, session_id = not session_id, session_id or service.create().id
-        report = uploads.ingest(service, session_id, paths or [], lambda f, text: progress(f, desc=text))
-        if refusal := ui.upload_refusal(report):
-            if created:  # no empty conversation left behind by a failed first upload
+        report = None
+        try:
+            with service.for_tab(request.session_hash if request else None, session_id):
+                report = uploads.ingest(service, session_id, paths or [], lambda f, text: progress(f, desc=text))
+        finally:
+            if created and (report is None or not report.documents):  # no empty conversation left behind
                 service.delete(session_id)
+        if refusal := ui.upload_refusal(report):
             raise ValueError(refusal)
         toast(*ui.upload_notices(report))
         return self.view(session_id)
+
+    def tab_closed(self, request: gr.Request) -> None:
+        """A browser tab was closed or reloaded: stop the work it started."""
+        if request and request.session_hash:
+            self.service.tab_closed(request.session_hash)
 
     # ------------------------------------------------------------------ turns
 
@@ -638,10 +650,12 @@ def events(c: Components, h: Handlers) -> list[Event]:
 
 
 def wire(c: Components, h: Handlers) -> None:
-    """Attach every event of the table, and the history API (inside the Blocks being built)."""
+    """Attach every event of the table, the history API, and the tab-closed hook (inside the
+    Blocks being built)."""
     for triggers, handler, inputs, outputs, options in events(c, h):
         gr.on(triggers, adapted(handler, outputs, [c.status, c.settings_note]), inputs, outputs, **options)
     gr.api(h.history_api, api_name="history")
+    c.demo.unload(h.tab_closed)
 
 
 def build_ui(service: ChatService) -> gr.Blocks:
@@ -713,6 +727,11 @@ def parse_args(argv=None):
     p.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights,
                    help="a GGUF's decode weights: quantized (read as stored) or fp32 (default: quantized)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest reply in tokens (default: 256)")
+    p.add_argument("--max-upload-mb", type=float, default=UploadLimits.max_bytes / MB,
+                   help=f"largest file an upload may be, in MB (default: {UploadLimits.max_bytes / MB:g}); "
+                   "larger files are refused before they are read")
+    p.add_argument("--max-document-tokens", type=int, default=None,
+                   help="most tokens one document may have (default: what the model's context window holds)")
     p.add_argument("--password", default=os.environ.get(PASSWORD_ENV),
                    help=f"require this password (any user name); default: ${PASSWORD_ENV}. Use it on a LAN")
     p.add_argument("--api-only", action="store_true", help="serve only the OpenAI-compatible API at /v1, no UI")
@@ -727,13 +746,19 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    config = AppConfig(engine=EngineConfig(model_path=args.model, weights=args.weights), host=args.host, port=args.port)
+    try:
+        uploads = UploadLimits(max_bytes=round(args.max_upload_mb * MB), max_tokens=args.max_document_tokens)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    config = AppConfig(engine=EngineConfig(model_path=args.model, weights=args.weights), host=args.host,
+                       port=args.port, uploads=uploads)
     if args.max_new_tokens is not None:
         config = config.with_(sampling=replace(config.sampling, max_new_tokens=args.max_new_tokens))
     service = ChatService(config)
     try:
-        service.load_model()  # load (and on first use convert) the model before serving: fail here, clearly
-        service.list_sessions()  # open the store: a second server on the same data directory stops here
+        service.list_sessions()  # open the store first: a second server on the same data directory stops at once
+        service.load_model()  # then load (and on first use convert) the model before serving: fail here, clearly
     except ChatError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -5,8 +5,10 @@ into the KV cache so the first question is fast. No UI code: progress goes to a 
     report.documents   # attached, as DocumentInfo
     report.errors      # (file name, message) for each file that could not be used
 
-A file that cannot be read (unsupported, broken, empty, too large for the context) is
-reported and skipped; the others are still attached. Reading into the cache can be stopped
+A file that cannot be read (unsupported, broken, empty, over the app's byte or token
+limit (`AppConfig.uploads`), too large for the context) is reported and skipped; the others
+are still attached. The byte limit is checked against the file's size on disk before it is
+read; the token limits with a count that stops at the limit. Reading into the cache can be stopped
 with `service.stop(session_id)`: what was computed is kept, the rest is computed with the
 next message.
 
@@ -79,11 +81,12 @@ def ingest(service, session_id: SessionId, paths: Sequence[str], progress: Progr
         name = os.path.basename(str(path))
         progress(READ_SHARE * index / max(1, len(paths)), f"Reading {name}")
         try:
-            document = read_document(str(path), name)
+            document = read_document(str(path), name, max_bytes=service.config.uploads.max_bytes)
             report.documents.append(service.attach_document(session_id, document))
             report.warnings += list(document.warnings)
         except (DocumentError, ChatError) as error:
             report.errors.append((name, str(error)))
+        document = None  # NOTE: a refused file's text is not kept while the others are read
     if prefill and report.documents:
         report.resume = service.resume(session_id, progress=PrefillProgress(progress))
     progress(1.0, "Done")

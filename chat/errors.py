@@ -63,6 +63,10 @@ class ConversationTooLong(ChatError):
     """The document(s) plus the conversation do not fit the model's context window."""
 
 
+class DocumentTooLong(ChatError):
+    """A document is longer than the app's limit for one document (`UploadLimits.max_tokens`)."""
+
+
 class StorageUnavailable(ChatError):
     """The data directory cannot be used: another process holds it, it was written by a newer
     version, or it is unreadable. The message names the directory and the fix."""

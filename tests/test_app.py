@@ -3,6 +3,7 @@ and one real-model flow over HTTP. Issue: "The Gradio app: a long-document chat 
 tested in a real browser" (flows on the fake engine: test_app_flows.py; browser: test_browser.py).
 """
 import dataclasses
+import os
 from dataclasses import replace
 
 import gradio as gr
@@ -283,6 +284,80 @@ def test_ingest_attaches_good_files_reports_bad_ones_and_prefills(tmp_path):
     service.close()
 
 
+def limited_handlers(tmp_path, **limits):
+    """Handlers over the echo engine with `UploadLimits(**limits)`."""
+    from chat.config import UploadLimits
+
+    config = AppConfig(home=tmp_path / "home", uploads=UploadLimits(**limits))
+    return Handlers(ServiceRef(ChatService(config, _engine=echo_engine())), tmp_path)
+
+
+def test_uploads_over_the_byte_or_token_limit_are_refused_in_the_users_terms_and_leave_no_chat(tmp_path):
+    """Issue #19 item 1: a configurable byte and token cap, stated in the message; item 15:
+    no empty "New chat" left by a failed upload."""
+    handlers = limited_handlers(tmp_path, max_bytes=2000, max_tokens=300)
+    big = tmp_path / "big60.txt"
+    big.write_text("river stone " * 200)  # 2,400 bytes
+    with pytest.raises(ValueError) as refused:
+        handlers.upload(None, [str(big)])
+    assert str(refused.value) == ("big60.txt is 2.4 KB; this app reads files up to 2 KB. "
+                                  "Split it into smaller files, or save the part you need as a file of its own.")
+    long = tmp_path / "long.txt"
+    long.write_text("lamp " * 100)  # 500 bytes: 500 tokens of the byte tokenizer
+    with pytest.raises(ValueError) as refused:
+        handlers.upload(None, [str(long)])
+    assert str(refused.value) == ("long.txt is longer than 300 tokens (about 1 page), the most this app reads "
+                                  "from one document. Attach a shorter excerpt, or split it into parts.")
+    assert handlers.service.list_sessions() == []  # neither refusal left a conversation behind
+    fits = tmp_path / "fits.txt"
+    fits.write_text("lamp " * 50)
+    view = handlers.upload(None, [str(fits)])
+    assert [s.title for s in handlers.service.list_sessions()] == ["New chat"] and "fits.txt" in view.chips
+    with pytest.raises(ValueError, match="^long.txt is longer than 300 tokens"):
+        handlers.upload(view.session, [str(long)])  # into an open conversation: it stays, with its document
+    assert [d.name for d in handlers.service.documents(view.session)] == ["fits.txt"]
+    handlers.service.close()
+
+
+class Tab:
+    """What Gradio passes a handler as its `gr.Request`: here only the tab's session hash."""
+
+    def __init__(self, session_hash: str):
+        self.session_hash = session_hash
+
+
+def test_closing_the_tab_stops_the_uploads_prefill_within_one_chunk(tmp_path):
+    """Issue #19 item 1: "kept working after the tab closed". Gradio calls `tab_closed` on
+    unload (tab closed or reloaded); the upload's prefill stops at the next chunk."""
+    handlers = limited_handlers(tmp_path)
+    doc = tmp_path / "report.txt"
+    doc.write_text("The harbour ledger lists seven copper lamps. " * 60)  # 2,700 tokens: 43 chunks of 64
+    seen, tab = [], Tab("tab-1")
+
+    def progress(fraction, desc):
+        seen.append(desc)
+        if desc.startswith("Reading 64 of"):  # the first prefill chunk is done: the tab goes away
+            handlers.tab_closed(tab)
+
+    view = handlers.upload(None, [str(doc)], progress, tab)
+    prefill = [text for text in seen if "tokens into memory" in text]
+    assert prefill == [prefill[0]] and prefill[0].startswith("Reading 64 of ")  # no chunk after the close
+    session_id = view.session
+    assert "report.txt" in view.chips  # the document stays attached; its cache is finished on next use
+    assert handlers.service.tab_closed(tab.session_hash) == []  # nothing of that tab runs any more
+    report = handlers.service.resume(session_id)
+    assert report.computed_tokens == report.n_tokens - 64 - report.restored_tokens  # the rest, computed now
+    handlers.service.close()
+
+
+def test_the_tab_closed_hook_is_wired_to_gradios_unload(tmp_path):
+    service = ChatService(AppConfig(home=tmp_path), _engine=echo_engine())
+    demo = app.build_ui(service)
+    unload = [fn.fn for fn in demo.fns.values() if any(event == "unload" for _, event in fn.targets)]
+    assert [f.__name__ for f in unload] == ["tab_closed"]
+    service.close()
+
+
 # ----------------------------------------------------------------------------- the real model
 
 
@@ -320,6 +395,36 @@ def test_command_line_defaults_and_password_from_the_environment(monkeypatch):
     assert (args.host, args.port, args.model, args.password, args.max_new_tokens) == ("127.0.0.1", 7860, None, None, None)
     monkeypatch.setenv("SPOTLIGHT_PASSWORD", "from-env")
     assert parse_args(["--port", "8000"]).password == "from-env"
+
+
+def test_upload_limits_on_the_command_line():
+    from app import parse_args
+
+    args = parse_args([])
+    assert (args.max_upload_mb, args.max_document_tokens) == (20.0, None)
+    args = parse_args(["--max-upload-mb", "2.5", "--max-document-tokens", "4000"])
+    assert (args.max_upload_mb, args.max_document_tokens) == (2.5, 4000)
+
+
+def test_a_bad_upload_limit_stops_the_app_with_the_reason(capsys):
+    assert app.main(["--max-upload-mb", "0"]) == 2
+    assert capsys.readouterr().err == "error: the upload size limit must be positive, got 0 bytes\n"
+
+
+def test_a_second_server_on_a_busy_data_directory_stops_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """Issue #19 item 16: the store's lock is taken before the model loads (which takes ~15 s):
+    with a model path that does not exist, the message is the store's, not the model's."""
+    from memory import Store
+    from memory.config import StoreConfig
+
+    holder = Store(StoreConfig(root=tmp_path / "store"))  # another process, as far as the lock goes
+    monkeypatch.setenv("SPOTLIGHT_HOME", str(tmp_path))
+    try:
+        assert app.main(["--model", str(tmp_path / "no-such-model.gguf")]) == 2
+    finally:
+        holder.close()
+    assert capsys.readouterr().err == (f"error: another Spotlight Chat process (pid {os.getpid()}) is using "
+                                       f"{tmp_path / 'store'}; close it or set SPOTLIGHT_HOME to another directory\n")
 
 
 # ----------------------------------------------------------------------------- issue #19: what the browser sees
