@@ -20,6 +20,9 @@ The upload path enters each module once, top to bottom:
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -87,10 +90,34 @@ def ingest(service, session_id: SessionId, paths: Sequence[str], progress: Progr
         except (DocumentError, ChatError) as error:
             report.errors.append((name, str(error)))
         document = None  # NOTE: a refused file's text is not kept while the others are read
+    if report.errors:
+        give_back_memory()  # a refused file was read (up to the byte limit): return its buffers to the system
     if prefill and report.documents:
         report.resume = service.resume(session_id, progress=PrefillProgress(progress))
     progress(1.0, "Done")
     return report
+
+
+def give_back_memory() -> None:
+    """Free unreachable objects and hand the C heap's free pages back to the system (glibc's
+    `malloc_trim`; elsewhere a no-op). After a large file was read and dropped, glibc keeps
+    freed buffers of that size in the process (its mmap threshold rises to the largest
+    freed buffer), so the resident size would stay tens of MB above what is used."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
 
 
 class PrefillProgress:

@@ -5,6 +5,7 @@ tested in a real browser" (flows on the fake engine: test_app_flows.py; browser:
 import dataclasses
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -395,6 +396,88 @@ def test_command_line_defaults_and_password_from_the_environment(monkeypatch):
     assert (args.host, args.port, args.model, args.password, args.max_new_tokens) == ("127.0.0.1", 7860, None, None, None)
     monkeypatch.setenv("SPOTLIGHT_PASSWORD", "from-env")
     assert parse_args(["--port", "8000"]).password == "from-env"
+
+
+TINY_SERVER = """
+import sys
+from pathlib import Path
+
+import app
+from chat.config import AppConfig
+from chat.service import ChatService
+from spotlight.testing import tiny_engine
+
+service = ChatService(AppConfig(home=Path(sys.argv[1])), _engine=tiny_engine())
+service.warm_up()
+service.list_sessions()
+app.serve(service, port=int(sys.argv[2]), quiet=True)
+"""
+
+
+def memory_mb(pid: int, field: str) -> float:
+    """`VmRSS` (resident now) or `VmHWM` (peak since the last reset) of a process, in MiB."""
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) / 1024
+
+
+def text_file(path, n_bytes: int):
+    line = ("the river stone lamp ledger north quiet seven orbit maple copper signal harbor " * 25).strip() + "\n"
+    with open(path, "w") as out:
+        for _ in range(n_bytes // len(line)):
+            out.write(line)
+    return path
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc (peak RSS reset)")
+def test_refusing_a_60_mb_upload_peaks_under_200_mb_above_the_idle_server(tmp_path):
+    """Issue #19 item 1 (must show): the app process (tiny model) takes a 60 MB .txt through
+    Gradio's upload; its peak RSS (VmHWM, reset just before) stays within 200 MB of its idle
+    RSS. So does a file just under the byte limit, which is read and refused by its tokens."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from gradio_client import Client, handle_file
+
+    from chat.config import UploadLimits
+
+    big = text_file(tmp_path / "big60.txt", 63_600_000)
+    near = text_file(tmp_path / "near.txt", UploadLimits.max_bytes - 100_000)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", TINY_SERVER, str(tmp_path / "home"), str(port)],
+                              cwd=Path(app.__file__).parent)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(url, timeout=2).close()
+                break
+            except OSError:
+                assert server.poll() is None, "the test server exited"
+                time.sleep(0.5)
+        client = Client(url, verbose=False)
+        idle = memory_mb(server.pid, "VmRSS:")
+        peaks, messages = [], []
+        for path in (big, near):
+            Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS now
+            outputs = client.predict([handle_file(str(path))], api_name="/upload")
+            peaks.append(memory_mb(server.pid, "VmHWM:") - idle)
+            messages.append(outputs[5])  # the status line
+        after = memory_mb(server.pid, "VmRSS:") - idle
+        conversations = client.predict("", api_name="/search")["choices"]
+    finally:
+        server.terminate()
+        server.wait(30)
+    print(f"idle {idle:.0f} MiB; peak above idle: 60 MB file {peaks[0]:.0f} MiB, near-limit file {peaks[1]:.0f} MiB; "
+          f"after both {after:.0f} MiB")
+    assert messages == [
+        "⚠ big60.txt is 63.6 MB; this app reads files up to 20 MB. "
+        "Split it into smaller files, or save the part you need as a file of its own.",
+        "⚠ near.txt is longer than the 8,098 tokens left in this conversation: the model reads at most 8,192 "
+        "tokens at once (about 20 pages). Attach a shorter excerpt, or start a new chat for it."]
+    assert max(peaks) <= 200, peaks
+    assert conversations == []  # neither refusal left an empty "New chat"
 
 
 def test_upload_limits_on_the_command_line():
