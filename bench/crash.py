@@ -240,13 +240,16 @@ def soak(home: Path, trials: int, seed: int = 0, max_delay_s: float | None = Non
     engine = None
     if model != "tiny":
         engine = _service(home, model).engine
-    for trial in range(trials):
-        result = run_trial(home, trial, rng, committed, max_delay_s, model, engine)
-        results.append(result)
-        log(f"trial {trial}: killed during {result.phase} after {result.delay_s:.2f}s; "
-            f"{result.committed} committed, {result.sessions} sessions, {result.leftovers} leftover files, "
-            f"{'ok' if result.ok else result.problems}")
-    final = TrialResult(trials, "final check", 0.0, len(committed), 0)
+    try:
+        for trial in range(trials):
+            result = run_trial(home, trial, rng, committed, max_delay_s, model, engine)
+            results.append(result)
+            log(f"trial {trial}: killed during {result.phase} after {result.delay_s:.2f}s; "
+                f"{result.committed} committed, {result.sessions} sessions, {result.leftovers} leftover files, "
+                f"{'ok' if result.ok else result.problems}")
+    except KeyboardInterrupt:  # Ctrl-C (SIGINT): stop killing, check and report the trials done
+        log(f"interrupted after {len(results)} trials: the final check runs now")
+    final = TrialResult(len(results), "final check", 0.0, len(committed), 0)
     check(home, committed, final, model=model, engine=engine)
     results.append(final)
     log(f"final check: every one of {final.sessions} conversations resumed; {'ok' if final.ok else final.problems}")
