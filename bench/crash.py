@@ -160,12 +160,17 @@ def run_trial(home: Path, trial: int, rng: random.Random, committed: set[str], m
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
     reader.start()
     started, progress = time.monotonic(), rng.randint(0, 12)
-    while process.poll() is None and time.monotonic() - started < 300 and (
-        "ready\n" not in lines or len(lines) - lines.index("ready\n") - 1 < progress
-    ):
-        time.sleep(0.005)
-    delay = rng.uniform(0.0, max_delay_s)
-    time.sleep(delay)
+    try:
+        while process.poll() is None and time.monotonic() - started < 300 and (
+            "ready\n" not in lines or len(lines) - lines.index("ready\n") - 1 < progress
+        ):
+            time.sleep(0.005)
+        delay = rng.uniform(0.0, max_delay_s)
+        time.sleep(delay)
+    except KeyboardInterrupt:  # the soak is being stopped: no child may keep the directory
+        process.kill()
+        process.wait()
+        raise
     crashed_by_itself = process.poll() is not None
     if not crashed_by_itself:
         process.send_signal(signal.SIGKILL)
