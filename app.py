@@ -461,15 +461,9 @@ class Handlers:
                request: gr.Request = None) -> View:
         """Attach the files (to a new conversation when none is open) and read them into the cache;
         closing the tab stops the reading (`tab_closed`)."""
-        service = self.service
-        created, session_id = not session_id, session_id or service.create().id
-        report = None
-        try:
-            with service.for_tab(request.session_hash if request else None, session_id):
-                report = uploads.ingest(service, session_id, paths or [], lambda f, text: progress(f, desc=text))
-        finally:
-            if created and (report is None or not report.documents):  # no empty conversation left behind
-                service.delete(session_id)
+        session_id, report = uploads.upload(self.service, session_id or None, paths or [],
+                                            lambda f, text: progress(f, desc=text),
+                                            tab=request.session_hash if request else None)
         if refusal := ui.upload_refusal(report):
             raise ValueError(refusal)
         toast(*ui.upload_notices(report))

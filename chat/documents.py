@@ -74,6 +74,23 @@ def count_tokens_within(count_tokens: Callable[[str], int], text: str, limit: in
     return total
 
 
+def upload(service, session_id: SessionId | None, paths: Sequence[str], progress: Progress | None = None,
+           *, tab: str | None = None) -> tuple[SessionId | None, IngestReport]:
+    """`ingest` into the conversation, or into a new one when `session_id` is None: a new one
+    to which no file could be attached is deleted again (none is left behind, also when
+    reading fails). The work belongs to browser tab `tab`: `service.tab_closed(tab)` stops it.
+    Returns (the conversation, or None when the new one was deleted; the report)."""
+    created, session_id = session_id is None, session_id or service.create().id
+    report = None
+    try:
+        with service.for_tab(tab, session_id):
+            report = ingest(service, session_id, paths, progress)
+    finally:
+        if created and (report is None or not report.documents):
+            service.delete(session_id)
+    return (None if created and not report.documents else session_id), report
+
+
 def ingest(service, session_id: SessionId, paths: Sequence[str], progress: Progress | None = None,
            *, prefill: bool = True) -> IngestReport:
     """Attach every readable file in `paths` to the conversation, then (if `prefill`) read
