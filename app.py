@@ -1,6 +1,7 @@
 """Spotlight Chat: the Gradio front end. Handlers only adapt values and call chat/.
 
     python app.py [--host 127.0.0.1] [--port 7860] [--model PATH] [--max-new-tokens N] [--password SECRET]
+                  [--max-upload-mb 20] [--max-document-tokens N]
 
 Everything the UI shows comes from the chat service (conversations, messages, documents
 and their numbers live in the store under SPOTLIGHT_HOME), so a reload or a server restart
@@ -36,7 +37,7 @@ from chat.api import ApiConfig  # noqa: E402
 from chat.errors import ChatError, ConversationChanged, ModelUnavailable, NotFoundError  # noqa: E402
 from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
-from chat.config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, AppConfig, EngineConfig  # noqa: E402
+from chat.config import MB, QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, AppConfig, EngineConfig, UploadLimits  # noqa: E402
 
 # Gradio's own sweep of its temporary folder (every 10 minutes, files older than an hour): a backstop
 # for what chat/ does not delete itself (uploads are deleted once read, exports at the next export)
@@ -520,19 +521,23 @@ class Handlers:
 
     @refreshing
     def upload(self, session_id: str | None, paths: list[str] | None, seen: int | None = None,
-               progress=gr.Progress()) -> View:
-        """Attach the files (to a new conversation when none is open) and read them into the cache."""
-        service = self.service
+               progress=gr.Progress(), request: gr.Request = None) -> View:
+        """Attach the files (to a new conversation when none is open) and read them into the cache;
+        closing the tab stops the reading (`tab_closed`)."""
         if session_id:
-            service.check_current(session_id, seen)
-        created, session_id = not session_id, session_id or service.create().id
-        report = uploads.ingest(service, session_id, paths or [], lambda f, text: progress(f, desc=text))
+            self.service.check_current(session_id, seen)
+        session_id, report = uploads.upload(self.service, session_id or None, paths or [],
+                                            lambda f, text: progress(f, desc=text),
+                                            tab=request.session_hash if request else None)
         if refusal := ui.upload_refusal(report):
-            if created:  # no empty conversation left behind by a failed first upload
-                service.delete(session_id)
             raise ValueError(refusal)
         toast(*ui.upload_notices(report))
         return self.view(session_id)
+
+    def tab_closed(self, request: gr.Request) -> None:
+        """A browser tab was closed or reloaded: stop the work it started."""
+        if request and request.session_hash:
+            self.service.tab_closed(request.session_hash)
 
     # ------------------------------------------------------------------ turns
 
@@ -722,10 +727,12 @@ def events(c: Components, h: Handlers) -> list[Event]:
 
 
 def wire(c: Components, h: Handlers) -> None:
-    """Attach every event of the table, and the history API (inside the Blocks being built)."""
+    """Attach every event of the table, the history API, and the tab-closed hook (inside the
+    Blocks being built)."""
     for triggers, handler, inputs, outputs, options in events(c, h):
         gr.on(triggers, adapted(handler, outputs, [c.status, c.settings_note]), inputs, outputs, **options)
     gr.api(h.history_api, api_name="history")
+    c.demo.unload(h.tab_closed)
 
 
 def build_ui(service: ChatService, *, holder: ServiceRef | None = None) -> gr.Blocks:
@@ -802,6 +809,11 @@ def parse_args(argv=None):
     p.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights, help=WEIGHTS_HELP)
     p.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest reply in tokens (default: 256)")
+    p.add_argument("--max-upload-mb", type=float, default=UploadLimits.max_bytes / MB,
+                   help=f"largest file an upload may be, in MB (default: {UploadLimits.max_bytes / MB:g}); "
+                   "larger files are refused before they are read")
+    p.add_argument("--max-document-tokens", type=int, default=None,
+                   help="most tokens one document may have (default: what the model's context window holds)")
     p.add_argument("--password", default=os.environ.get(PASSWORD_ENV),
                    help=f"require this password (any user name); default: ${PASSWORD_ENV}. Use it on a LAN")
     p.add_argument("--api-only", action="store_true", help="serve only the OpenAI-compatible API at /v1, no UI")
@@ -816,9 +828,11 @@ def parse_args(argv=None):
 
 def startup_config(args, saved: dict) -> AppConfig:
     """What the app starts with: the defaults, the settings saved from the Settings tab over them
-    (`saved`, ChatService.saved_settings), and what the command line names over those."""
+    (`saved`, ChatService.saved_settings), and what the command line names over those.
+    ValueError for an impossible upload limit."""
+    uploads = UploadLimits(max_bytes=round(args.max_upload_mb * MB), max_tokens=args.max_document_tokens)
     config = ui.saved_config(AppConfig(engine=EngineConfig(weights=args.weights, quantize=args.quantize),
-                                       host=args.host, port=args.port),
+                                       host=args.host, port=args.port, uploads=uploads),
                              saved)
     if args.model is not None:
         config = config.with_(engine=replace(config.engine, model_path=args.model))
@@ -843,7 +857,12 @@ def with_saved_settings(service: ChatService, config: AppConfig) -> ChatService:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    service = ChatService(startup_config(args, {}))
+    try:
+        first = startup_config(args, {})
+    except ValueError as error:  # an impossible upload limit on the command line
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    service = ChatService(first)
     try:
         saved = service.saved_settings()  # opens the store: a second server on the same data directory stops here
         # load (and on first use convert) the model before serving: fail here, clearly

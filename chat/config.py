@@ -16,8 +16,34 @@ from spotlight.config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, Eng
 REGENERATE_TEMPERATURE = 0.7
 REGENERATE_TOP_P = 0.9
 
-__all__ = ["QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "WEIGHTS", "WEIGHTS_HELP",
-           "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig"]
+__all__ = ["MB", "QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "WEIGHTS", "WEIGHTS_HELP",
+           "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig", "UploadLimits"]
+
+MB = 1000 * 1000  # bytes: the megabyte file managers show
+
+
+@dataclass(frozen=True)
+class UploadLimits:
+    """What one uploaded file may be; both are checked before any long work.
+
+    `max_bytes` is checked against the file's size on disk before it is read (the refusal
+    reads nothing). 20 MB: the text that fits any window we target is far smaller (a
+    32K-token window holds ~130 KB of prose), but PDFs and .docx files carry fonts and
+    images, and a 100-page report with figures is commonly 2-20 MB; beyond 20 MB an upload
+    is almost always a scan or a media-heavy file with little usable text, while reading a
+    20 MB file stays cheap (~2x its size in memory, under a second for text). `max_tokens`
+    caps one document's tokens (None: only the model's context window does); tokens are
+    counted in slices that stop at the cap, so a long text costs ~`max_tokens` tokens of
+    work and no list of ids."""
+
+    max_bytes: int = 20 * MB
+    max_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.max_bytes <= 0:
+            raise ValueError(f"the upload size limit must be positive, got {self.max_bytes} bytes")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"the document token limit must be positive, got {self.max_tokens}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +54,7 @@ class AppConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(repetition_penalty=1.1))
     spotlight: SpotlightConfig = field(default_factory=SpotlightConfig)
+    uploads: UploadLimits = field(default_factory=UploadLimits)
     system_prompt: str = "You are a helpful assistant. Answer from the document when one is given."
     # tokens a summary may run to (Summarize): its own request, longer than a reply (sampling.max_new_tokens)
     summary_tokens: int = 768

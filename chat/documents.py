@@ -5,10 +5,12 @@ into the KV cache so the first question is fast. No UI code: progress goes to a 
     report.documents   # attached, as DocumentInfo
     report.errors      # (file name, message) for each file that could not be used
 
-A file that cannot be read (unsupported, broken, empty, too large for the context) is
-reported and skipped; the others are still attached. Every uploaded file is deleted once it
-has been read or refused (`service.discard_upload`: only files in the app's short-lived files
-folder, memory/scratch.py). Reading into the cache can be stopped
+A file that cannot be read (unsupported, broken, empty, over the app's byte or token
+limit (`AppConfig.uploads`), too large for the context) is reported and skipped; the others
+are still attached. The byte limit is checked against the file's size on disk before it is
+read; the token limits with a count that stops at the limit. Every uploaded file is deleted
+once it has been read or refused (`service.discard_upload`: only files in the app's
+short-lived files folder, memory/scratch.py). Reading into the cache can be stopped
 with `service.stop(session_id)`: what was computed is kept, the rest is computed with the
 next message.
 
@@ -20,6 +22,9 @@ The upload path enters each module once, top to bottom:
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +76,23 @@ def count_tokens_within(count_tokens: Callable[[str], int], text: str, limit: in
     return total
 
 
+def upload(service, session_id: SessionId | None, paths: Sequence[str], progress: Progress | None = None,
+           *, tab: str | None = None) -> tuple[SessionId | None, IngestReport]:
+    """`ingest` into the conversation, or into a new one when `session_id` is None: a new one
+    to which no file could be attached is deleted again (none is left behind, also when
+    reading fails). The work belongs to browser tab `tab`: `service.tab_closed(tab)` stops it.
+    Returns (the conversation, or None when the new one was deleted; the report)."""
+    created, session_id = session_id is None, session_id or service.create().id
+    report = None
+    try:
+        with service.for_tab(tab, session_id):
+            report = ingest(service, session_id, paths, progress)
+    finally:
+        if created and (report is None or not report.documents):
+            service.delete(session_id)
+    return (None if created and not report.documents else session_id), report
+
+
 def ingest(service, session_id: SessionId, paths: Sequence[str], progress: Progress | None = None,
            *, prefill: bool = True) -> IngestReport:
     """Attach every readable file in `paths` to the conversation, then (if `prefill`) read
@@ -81,17 +103,42 @@ def ingest(service, session_id: SessionId, paths: Sequence[str], progress: Progr
         name = os.path.basename(str(path))
         progress(READ_SHARE * index / max(1, len(paths)), f"Reading {name}")
         try:
-            document = read_document(str(path), name)
+            document = read_document(str(path), name, max_bytes=service.config.uploads.max_bytes)
             report.documents.append(service.attach_document(session_id, document))
             report.warnings += list(document.warnings)
         except (DocumentError, ChatError) as error:
             report.errors.append((name, str(error)))
         finally:  # read or refused, the uploaded file is not kept (its text is in the store)
             service.discard_upload(path)
+        document = None  # NOTE: a refused file's text is not kept while the others are read
+    if report.errors:
+        give_back_memory()  # a refused file was read (up to the byte limit): return its buffers to the system
     if prefill and report.documents:
         report.resume = service.resume(session_id, progress=PrefillProgress(progress))
     progress(1.0, "Done")
     return report
+
+
+def give_back_memory() -> None:
+    """Free unreachable objects and hand the C heap's free pages back to the system (glibc's
+    `malloc_trim`; elsewhere a no-op). After a large file was read and dropped, glibc keeps
+    freed buffers of that size in the process (its mmap threshold rises to the largest
+    freed buffer), so the resident size would stay tens of MB above what is used."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
 
 
 class PrefillProgress:

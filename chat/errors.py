@@ -79,6 +79,10 @@ class ConversationChanged(ChatError):
         self.session_id = session_id
 
 
+class DocumentTooLong(ChatError):
+    """A document is longer than the app's limit for one document (`UploadLimits.max_tokens`)."""
+
+
 class StorageUnavailable(ChatError):
     """The data directory cannot be used: another process holds it, it was written by a newer
     version, or it is unreadable. The message names the directory and the fix."""

@@ -7,6 +7,9 @@ Threading rule (Gradio runs handlers on worker threads; FastAPI routes bypass it
   - `CancelFlags` gives each running conversation its own `threading.Event`; the engine
     checks it at every decode step and between prefill chunks. A second reply in a
     conversation that is already running is refused (`EngineBusy`), not queued.
+  - `TabRuns` records which conversations each browser tab has work running in (an
+    upload's reading and prefill), so that the work of a tab that has gone (closed or
+    reloaded) is stopped through the same cancel flags.
   - `ContextPool` keeps the KV Contexts of the few most recently used conversations in
     RAM (LRU), so switching back is instant. The disk is the truth: a Context that is
     dropped is restored from span files on next use.
@@ -84,6 +87,37 @@ class CancelFlags:
             return False
         flag.set()
         return True
+
+
+class TabRuns:
+    """The conversations each browser tab (Gradio's session hash) has work running in."""
+
+    def __init__(self):
+        self._runs: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def running(self, tab: str | None, session_id: str) -> Iterator[None]:
+        """Record `session_id`'s work as `tab`'s for the block (no tab: nothing recorded)."""
+        if tab is None:
+            yield
+            return
+        with self._lock:
+            self._runs.setdefault(tab, []).append(session_id)
+        try:
+            yield
+        finally:
+            with self._lock:
+                runs = self._runs.get(tab, [])
+                if session_id in runs:
+                    runs.remove(session_id)
+                if not runs:
+                    self._runs.pop(tab, None)
+
+    def of(self, tab: str) -> list[str]:
+        """The conversations `tab` has work running in now."""
+        with self._lock:
+            return list(dict.fromkeys(self._runs.get(tab, [])))
 
 
 class ContextPool:

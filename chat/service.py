@@ -43,6 +43,7 @@ from .errors import (
     ConversationChanged,
     ConversationNotFound,
     ConversationTooLong,
+    DocumentTooLong,
     ImportFailed,
     InvalidAction,
     MessageNotFound,
@@ -52,7 +53,7 @@ from .errors import (
 from .documents import count_tokens_within, segment_document
 from .records import ChatMessage, DocumentInfo, MessageId, ResumeReport, SessionId, SessionInfo, Turn
 from .render import AttachedDocument, Conversation, DocumentSegment
-from .runtime import CancelFlags, ContextPool, EngineGate
+from .runtime import CancelFlags, ContextPool, EngineGate, TabRuns
 from .turns import ReplyPlan, TurnRunner
 
 DEFAULT_TITLE = "New chat"
@@ -82,6 +83,7 @@ class ChatService:
         self._gate = EngineGate()
         self._flags = CancelFlags()
         self._pool = ContextPool(keep_contexts)
+        self._tabs = TabRuns()
         self._documents: dict[str, AttachedDocument] = {}  # document id -> text and segments; immutable
         self.scratch = Scratch(config.scratch_dir)  # uploads while read, exports for download
 
@@ -403,6 +405,20 @@ class ChatService:
         decode step or prefill chunk. No-op when nothing runs."""
         self._flags.cancel(session_id)
 
+    def for_tab(self, tab: str | None, session_id: SessionId):
+        """A context manager: the work done inside it for `session_id` (an upload: reading and
+        prefill) belongs to browser tab `tab`, so `tab_closed(tab)` stops it."""
+        return self._tabs.running(tab, session_id)
+
+    def tab_closed(self, tab: str) -> list[SessionId]:
+        """Stop the work browser tab `tab` started (its page was closed or reloaded): each
+        such conversation's reply or prefill stops within one step or chunk, keeping what
+        was computed. Returns those conversations."""
+        sessions = self._tabs.of(tab)
+        for session_id in sessions:
+            self.stop(session_id)
+        return sessions
+
     def resume(self, session_id: SessionId, progress=None) -> ResumeReport:
         """Make the conversation's KV cache ready without generating: from memory, else from
         its span files (verified), prefilling and storing whatever is missing;
@@ -423,10 +439,11 @@ class ChatService:
     def attach_document(self, session_id: SessionId, document: Document, *, seen: int | None = None) -> DocumentInfo:
         """Attach a read document (segmenter) to the conversation's prefix (the system
         message): it is cut into segments once, here, with their pages and headings, and
-        stored with them. Refused with `ConversationTooLong` before any long work (tokens are
-        counted with an early exit) if the conversation would not fit `context_window()` (past the
-        model's window it is read through Spotlight). Its KV cache is computed on the next message
-        (or `resume`)."""
+        stored with them. Refused before any long work and before the engine gate (tokens are
+        counted with an early exit, no ids kept): `DocumentTooLong` past the configured token
+        limit for one document (`config.uploads.max_tokens`), `ConversationTooLong` if the
+        conversation would not fit `context_window()` (past the model's window it is read
+        through Spotlight). Its KV cache is computed on the next message (or `resume`)."""
         if not document.text.strip():
             raise InvalidAction(f"the document {document.name!r} is empty; attach a file with text in it")
         with translated(session_id), self._flags.running(session_id):
@@ -434,7 +451,11 @@ class ChatService:
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records)
             room = self.engine.max_context - 1 - len(self.runner.renderer.prompt(conversation))
-            n_tokens = count_tokens_within(self.engine.count_tokens, document.text, room)
+            cap = self.config.uploads.max_tokens
+            limit = room if cap is None else min(room, cap)
+            n_tokens = count_tokens_within(self.engine.count_tokens, document.text, limit)
+            if n_tokens is None and limit < room:
+                raise DocumentTooLong(over_token_limit(document.name, limit))
             if n_tokens is None:
                 raise ConversationTooLong(too_long(document.name, room, self.engine.max_context,
                                                    self.engine.decodes_densely, self.engine.memory_bound))
@@ -683,6 +704,13 @@ def regeneration_sampling(sampling: SamplingConfig) -> SamplingConfig:
 def _document_tokens(document: AttachedDocument, count_tokens) -> int:
     counts = [segment.n_tokens for segment in document.segments]
     return sum(counts) if counts and None not in counts else count_tokens(document.text)
+
+
+def over_token_limit(name: str, limit: int) -> str:
+    """Why a document is refused by the app's token limit for one document, and what to do."""
+    pages = max(limit // 400, 1)
+    return (f"{name} is longer than {limit:,} tokens (about {pages:,} page{'s' if pages > 1 else ''}), the most "
+            "this app reads from one document. Attach a shorter excerpt, or split it into parts.")
 
 
 def _segment_spec(segment: DocumentSegment) -> SegmentSpec:

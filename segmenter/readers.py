@@ -210,10 +210,18 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes} bytes"
 
 
+def file_size(n_bytes: int) -> str:
+    """A size as file managers show it (decimal units, at most one decimal): "63.6 MB", "20 MB"."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{n_bytes} bytes"
+
+
 def _too_large(name: str, n_bytes: int, max_bytes: int) -> DocumentTooLarge:
     return DocumentTooLarge(
-        f"{name} is {_size(n_bytes)}, over the upload limit of {_size(max_bytes)}. "
-        "Raise the limit (max_bytes, the upload size setting) or split the document."
+        f"{name} is {file_size(n_bytes)}; this app reads files up to {file_size(max_bytes)}. "
+        "Split it into smaller files, or save the part you need as a file of its own."
     )
 
 

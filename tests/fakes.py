@@ -33,6 +33,15 @@ class EchoEngine(Engine):
 
     delay: float = 0.0
     requests: list = field(default_factory=list)  # (prompt ids, sampling) of every stream call, in order
+    prefill_delay: float = 0.0  # seconds slept after each prefill chunk (a slow upload)
+
+    def prefill(self, context, ids: list[int], *, progress=None, cancel: threading.Event | None = None) -> bool:
+        """The real chunked prefill (cancel checked between chunks), `prefill_delay` slower a chunk."""
+        def slowed(done: int, total: int) -> None:
+            time.sleep(self.prefill_delay)
+            if progress is not None:
+                progress(done, total)
+        return super().prefill(context, ids, progress=slowed if self.prefill_delay else progress, cancel=cancel)
 
     def stream(self, context, prompt_ids: list[int], sampling: SamplingConfig, *,
                cancel: threading.Event | None = None, progress=None, observers=()) -> Iterator[Step]:
@@ -80,10 +89,12 @@ def scripted_reply(user_text: str, max_words: int) -> list[str]:
     return ["Echo:", *user_text.split()][:max_words]
 
 
-def echo_engine(delay: float = 0.0, *, seed: int = 0, max_seq_len: int = 8192) -> EchoEngine:
+def echo_engine(delay: float = 0.0, *, seed: int = 0, max_seq_len: int = 8192,
+                prefill_delay: float = 0.0) -> EchoEngine:
     """A fresh EchoEngine over the tiny random model of `spotlight.testing`."""
     base = tiny_engine(seed=seed, max_seq_len=max_seq_len)
-    return EchoEngine(base.config, base.args, base.model, base.tokenizer, base.source, base.policy, delay=delay)
+    return EchoEngine(base.config, base.args, base.model, base.tokenizer, base.source, base.policy, delay=delay,
+                      prefill_delay=prefill_delay)
 
 
 def free_port() -> int:

@@ -3,7 +3,9 @@ and one real-model flow over HTTP. Issue: "The Gradio app: a long-document chat 
 tested in a real browser" (flows on the fake engine: test_app_flows.py; browser: test_browser.py).
 """
 import dataclasses
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -347,6 +349,80 @@ def test_ingest_attaches_good_files_reports_bad_ones_and_prefills(tmp_path):
     service.close()
 
 
+def limited_handlers(tmp_path, **limits):
+    """Handlers over the echo engine with `UploadLimits(**limits)`."""
+    from chat.config import UploadLimits
+
+    config = AppConfig(home=tmp_path / "home", uploads=UploadLimits(**limits))
+    return Handlers(ServiceRef(ChatService(config, _engine=echo_engine())), tmp_path)
+
+
+def test_uploads_over_the_byte_or_token_limit_are_refused_in_the_users_terms_and_leave_no_chat(tmp_path):
+    """Issue #19 item 1: a configurable byte and token cap, stated in the message; item 15:
+    no empty "New chat" left by a failed upload."""
+    handlers = limited_handlers(tmp_path, max_bytes=2000, max_tokens=300)
+    big = tmp_path / "big60.txt"
+    big.write_text("river stone " * 200)  # 2,400 bytes
+    with pytest.raises(ValueError) as refused:
+        handlers.upload(None, [str(big)])
+    assert str(refused.value) == ("big60.txt is 2.4 KB; this app reads files up to 2 KB. "
+                                  "Split it into smaller files, or save the part you need as a file of its own.")
+    long = tmp_path / "long.txt"
+    long.write_text("lamp " * 100)  # 500 bytes: 500 tokens of the byte tokenizer
+    with pytest.raises(ValueError) as refused:
+        handlers.upload(None, [str(long)])
+    assert str(refused.value) == ("long.txt is longer than 300 tokens (about 1 page), the most this app reads "
+                                  "from one document. Attach a shorter excerpt, or split it into parts.")
+    assert handlers.service.list_sessions() == []  # neither refusal left a conversation behind
+    fits = tmp_path / "fits.txt"
+    fits.write_text("lamp " * 50)
+    view = handlers.upload(None, [str(fits)])
+    assert [s.title for s in handlers.service.list_sessions()] == ["New chat"] and "fits.txt" in view.chips
+    with pytest.raises(ValueError, match="^long.txt is longer than 300 tokens"):
+        handlers.upload(view.session, [str(long)])  # into an open conversation: it stays, with its document
+    assert [d.name for d in handlers.service.documents(view.session)] == ["fits.txt"]
+    handlers.service.close()
+
+
+class Tab:
+    """What Gradio passes a handler as its `gr.Request`: here only the tab's session hash."""
+
+    def __init__(self, session_hash: str):
+        self.session_hash = session_hash
+
+
+def test_closing_the_tab_stops_the_uploads_prefill_within_one_chunk(tmp_path):
+    """Issue #19 item 1: "kept working after the tab closed". Gradio calls `tab_closed` on
+    unload (tab closed or reloaded); the upload's prefill stops at the next chunk."""
+    handlers = limited_handlers(tmp_path)
+    doc = tmp_path / "report.txt"
+    doc.write_text("The harbour ledger lists seven copper lamps. " * 60)  # 2,700 tokens: 43 chunks of 64
+    seen, tab = [], Tab("tab-1")
+
+    def progress(fraction, desc):
+        seen.append(desc)
+        if desc.startswith("Reading 64 of"):  # the first prefill chunk is done: the tab goes away
+            handlers.tab_closed(tab)
+
+    view = handlers.upload(None, [str(doc)], progress, tab)
+    prefill = [text for text in seen if "tokens into memory" in text]
+    assert prefill == [prefill[0]] and prefill[0].startswith("Reading 64 of ")  # no chunk after the close
+    session_id = view.session
+    assert "report.txt" in view.chips  # the document stays attached; its cache is finished on next use
+    assert handlers.service.tab_closed(tab.session_hash) == []  # nothing of that tab runs any more
+    report = handlers.service.resume(session_id)
+    assert report.computed_tokens == report.n_tokens - 64 - report.restored_tokens  # the rest, computed now
+    handlers.service.close()
+
+
+def test_the_tab_closed_hook_is_wired_to_gradios_unload(tmp_path):
+    service = ChatService(AppConfig(home=tmp_path), _engine=echo_engine())
+    demo = app.build_ui(service)
+    unload = [fn.fn for fn in demo.fns.values() if any(event == "unload" for _, event in fn.targets)]
+    assert [f.__name__ for f in unload] == ["tab_closed"]
+    service.close()
+
+
 # ----------------------------------------------------------------------------- the real model
 
 
@@ -386,6 +462,118 @@ def test_command_line_defaults_and_password_from_the_environment(monkeypatch):
     assert parse_args(["--port", "8000"]).password == "from-env"
     assert (args.weights, args.quantize) == ("quantized", None)
     assert (parse_args(["--quantize", "q8_0"]).quantize, parse_args(["--weights", "fp32"]).weights) == ("q8_0", "fp32")
+
+
+TINY_SERVER = """
+import sys
+from pathlib import Path
+
+import app
+from chat.config import AppConfig
+from chat.service import ChatService
+from spotlight.testing import tiny_engine
+
+service = ChatService(AppConfig(home=Path(sys.argv[1])), _engine=tiny_engine())
+service.warm_up()
+service.list_sessions()
+app.serve(service, port=int(sys.argv[2]), quiet=True)
+"""
+
+
+def memory_mb(pid: int, field: str) -> float:
+    """`VmRSS` (resident now) or `VmHWM` (peak since the last reset) of a process, in MiB."""
+    line = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) / 1024
+
+
+def text_file(path, n_bytes: int):
+    line = ("the river stone lamp ledger north quiet seven orbit maple copper signal harbor " * 25).strip() + "\n"
+    with open(path, "w") as out:
+        for _ in range(n_bytes // len(line)):
+            out.write(line)
+    return path
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc (peak RSS reset)")
+def test_refusing_a_60_mb_upload_peaks_under_200_mb_above_the_idle_server(tmp_path):
+    """Issue #19 item 1 (must show): the app process (tiny model) takes a 60 MB .txt through
+    Gradio's upload; its peak RSS (VmHWM, reset just before) stays within 200 MB of its idle
+    RSS. So does a file just under the byte limit, which is read and refused by its tokens."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from gradio_client import Client, handle_file
+
+    from chat.config import UploadLimits
+
+    big = text_file(tmp_path / "big60.txt", 63_600_000)
+    near = text_file(tmp_path / "near.txt", UploadLimits.max_bytes - 100_000)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", TINY_SERVER, str(tmp_path / "home"), str(port)],
+                              cwd=Path(app.__file__).parent)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(url, timeout=2).close()
+                break
+            except OSError:
+                assert server.poll() is None, "the test server exited"
+                time.sleep(0.5)
+        client = Client(url, verbose=False)
+        idle = memory_mb(server.pid, "VmRSS:")
+        peaks, messages = [], []
+        for path in (big, near):
+            Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS now
+            outputs = client.predict([handle_file(str(path))], api_name="/upload")
+            peaks.append(memory_mb(server.pid, "VmHWM:") - idle)
+            messages.append(outputs[5])  # the status line
+        after = memory_mb(server.pid, "VmRSS:") - idle
+        conversations = client.predict("", api_name="/search")["choices"]
+    finally:
+        server.terminate()
+        server.wait(30)
+    print(f"idle {idle:.0f} MiB; peak above idle: 60 MB file {peaks[0]:.0f} MiB, near-limit file {peaks[1]:.0f} MiB; "
+          f"after both {after:.0f} MiB")
+    assert messages == [
+        "⚠ big60.txt is 63.6 MB; this app reads files up to 20 MB. "
+        "Split it into smaller files, or save the part you need as a file of its own.",
+        "⚠ near.txt is longer than the 8,098 tokens left in this conversation: the model reads at most 8,192 "
+        "tokens at once (about 20 pages). Attach a shorter excerpt, or start a new chat for it."]
+    assert max(peaks) <= 200, peaks
+    assert conversations == []  # neither refusal left an empty "New chat"
+
+
+def test_upload_limits_on_the_command_line():
+    from app import parse_args
+
+    args = parse_args([])
+    assert (args.max_upload_mb, args.max_document_tokens) == (20.0, None)
+    args = parse_args(["--max-upload-mb", "2.5", "--max-document-tokens", "4000"])
+    assert (args.max_upload_mb, args.max_document_tokens) == (2.5, 4000)
+
+
+def test_a_bad_upload_limit_stops_the_app_with_the_reason(capsys):
+    assert app.main(["--max-upload-mb", "0"]) == 2
+    assert capsys.readouterr().err == "error: the upload size limit must be positive, got 0 bytes\n"
+
+
+def test_a_second_server_on_a_busy_data_directory_stops_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """Issue #19 item 16: the store's lock is taken before the model loads (which takes ~15 s):
+    with a model path that does not exist, the message is the store's, not the model's."""
+    from memory import Store
+    from memory.config import StoreConfig
+
+    holder = Store(StoreConfig(root=tmp_path / "store"))  # another process, as far as the lock goes
+    monkeypatch.setenv("SPOTLIGHT_HOME", str(tmp_path))
+    try:
+        assert app.main(["--model", str(tmp_path / "no-such-model.gguf")]) == 2
+    finally:
+        holder.close()
+    assert capsys.readouterr().err == (f"error: another Spotlight Chat process (pid {os.getpid()}) is using "
+                                       f"{tmp_path / 'store'}; close it or set SPOTLIGHT_HOME to another directory\n")
 
 
 # ----------------------------------------------------------------------------- issue #19: what the browser sees

@@ -566,6 +566,43 @@ def tiny_pdf(pages: list[str]) -> bytes:
 NEEDLE = "The special magic number for the city of Lisbon is 7481."
 
 
+def test_closing_the_tab_stops_its_uploads_prefill(browser, tmp_path):
+    """Issue #19 item 1: an upload "kept working after the tab closed". Closing the page ends its
+    Gradio session (unload), which stops the upload's prefill at the next chunk."""
+    import app
+    from chat.config import AppConfig
+    from chat.service import ChatService
+    from fakes import echo_engine
+
+    service = ChatService(AppConfig(home=tmp_path / "home"), _engine=echo_engine(prefill_delay=0.1))
+    demo = app.serve(service, port=free_port(), prevent_thread_lock=True, quiet=True)
+    doc = tmp_path / "ledger.txt"
+    doc.write_text("The harbour ledger lists seven copper lamps. " * 150)  # ~6,700 tokens: 105 chunks, 10 s
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        open_app(page, demo.local_url)
+        attach(page, doc)
+        expect(page.locator("#chips")).to_contain_text(re.compile(r"\d\.\ds"))  # the upload's timer runs
+        deadline = time.monotonic() + 60
+        while not service.list_sessions() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        session_id = service.list_sessions()[0].id
+        time.sleep(1.0)  # into the prefill (~10 s long)
+        context.close()  # the tab goes away mid-prefill
+        while time.monotonic() < deadline:  # the upload ends within a chunk of the unload
+            try:
+                report = service.resume(session_id)
+                break
+            except ValueError:  # EngineBusy: the upload still runs
+                time.sleep(0.1)
+        assert report.computed_tokens > report.n_tokens // 2, report  # most of it was never read: stopped early
+    finally:
+        demo.close()
+        service.close()
+
+
 def report_pdf(essay_text: str, path: Path, pages: int = 4, chars: int = 700) -> Path:
     """A few pages of essay text with the needle on the last page."""
     words = " ".join(essay_text.encode("ascii", "ignore").decode().split())  # Helvetica: keep to ASCII

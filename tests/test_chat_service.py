@@ -746,3 +746,30 @@ def test_continue_in_a_new_chat_keeps_the_documents_and_drops_the_messages(servi
     service.close()  # nothing warm in memory: the new chat finds the documents' cache on disk
     _, turn = finish(service.send(continued.id, "When does it leave?"))
     assert (turn.cached_tokens, turn.restored_tokens) == (prefix, prefix)
+def test_an_over_limit_document_is_refused_while_another_conversation_holds_the_engine(tmp_path):
+    """Issue #19 item 1: a refusal "blocked other conversations"; it now comes before the engine
+    gate, so it is answered while another conversation's reply is still being generated."""
+    from chat.config import UploadLimits
+    from chat.errors import DocumentTooLong
+    from fakes import echo_engine
+
+    config = AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=400), uploads=UploadLimits(max_tokens=100))
+    service = ChatService(config, _engine=echo_engine(delay=0.05))  # a 400-word reply: 20 s
+    busy, idle = service.create(), service.create()
+    streaming, done = threading.Event(), threading.Event()
+
+    def long_reply():
+        for turn in service.send(busy.id, "/long story"):
+            streaming.set()
+        done.set()
+
+    worker = threading.Thread(target=long_reply)
+    worker.start()
+    assert streaming.wait(60)
+    with pytest.raises(DocumentTooLong, match=r"^big\.txt is longer than 100 tokens \(about 1 page\)"):
+        service.attach_text(idle.id, "big.txt", "lamp " * 10_000)
+    assert not done.is_set()  # the other reply still holds the engine
+    service.stop(busy.id)
+    worker.join(60)
+    assert done.is_set() and service.documents(idle.id) == []
+    service.close()

@@ -260,9 +260,17 @@ def test_size_limit(tmp_path, as_source, name):
     path.write_bytes(b"a" * 2048)
     with pytest.raises(DocumentTooLarge) as error:
         read_document(as_source(path), name, max_bytes=1024)
-    assert str(error.value) == ("big.txt is 2.0 KiB, over the upload limit of 1.0 KiB. "
-                                "Raise the limit (max_bytes, the upload size setting) or split the document.")
+    assert str(error.value) == ("big.txt is 2 KB; this app reads files up to 1 KB. "
+                                "Split it into smaller files, or save the part you need as a file of its own.")
     assert read_document(as_source(path), name, max_bytes=2048).text == "a" * 2048
+
+
+def test_file_sizes_read_as_a_file_manager_shows_them():
+    """Issue #19: the size limit's message states sizes in the user's terms."""
+    from segmenter.readers import file_size
+
+    assert [file_size(n) for n in (12, 2048, 20 * 10**6, 63_611_504, 3 * 10**9)] == [
+        "12 bytes", "2 KB", "20 MB", "63.6 MB", "3 GB"]
 
 
 def test_path_input_takes_its_base_name(tmp_path):
