@@ -354,7 +354,7 @@ def limited_handlers(tmp_path, **limits):
     from chat.config import UploadLimits
 
     config = AppConfig(home=tmp_path / "home", uploads=UploadLimits(**limits))
-    return Handlers(ServiceRef(ChatService(config, _engine=echo_engine())), tmp_path)
+    return Handlers(ServiceRef(ChatService(config, _engine=echo_engine())))
 
 
 def test_uploads_over_the_byte_or_token_limit_are_refused_in_the_users_terms_and_leave_no_chat(tmp_path):
@@ -404,7 +404,7 @@ def test_closing_the_tab_stops_the_uploads_prefill_within_one_chunk(tmp_path):
         if desc.startswith("Reading 64 of"):  # the first prefill chunk is done: the tab goes away
             handlers.tab_closed(tab)
 
-    view = handlers.upload(None, [str(doc)], progress, tab)
+    view = handlers.upload(None, [str(doc)], progress=progress, request=tab)
     prefill = [text for text in seen if "tokens into memory" in text]
     assert prefill == [prefill[0]] and prefill[0].startswith("Reading 64 of ")  # no chunk after the close
     session_id = view.session
@@ -540,8 +540,9 @@ def test_refusing_a_60_mb_upload_peaks_under_200_mb_above_the_idle_server(tmp_pa
     assert messages == [
         "⚠ big60.txt is 63.6 MB; this app reads files up to 20 MB. "
         "Split it into smaller files, or save the part you need as a file of its own.",
-        "⚠ near.txt is longer than the 8,098 tokens left in this conversation: the model reads at most 8,192 "
-        "tokens at once (about 20 pages). Attach a shorter excerpt, or start a new chat for it."]
+        "⚠ near.txt is longer than the 8,098 tokens left in this conversation: with Spotlight off the model "
+        "reads at most 8,192 tokens at once (about 20 pages). Turn Spotlight on to read beyond that, attach a "
+        "shorter excerpt, or start a new chat for it."]
     assert max(peaks) <= 200, peaks
     assert conversations == []  # neither refusal left an empty "New chat"
 
