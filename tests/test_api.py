@@ -242,6 +242,26 @@ def test_a_prompt_longer_than_the_window_is_a_400_naming_the_window(running):
     assert running.service.list_sessions() == []  # refused before anything was stored
 
 
+def test_a_prompt_past_the_models_window_is_answered_through_spotlight(tmp_path):
+    """Issue #23 item 3: with Spotlight on, a prompt longer than the model's own window goes
+    through the long-context path (issue #21) instead of a 400."""
+    from spotlight.testing import tiny_engine
+
+    engine = tiny_engine(seed=1, spotlight=True, max_seq_len=512, prefill_chunk=128)
+    config = AppConfig(home=tmp_path / "home", sampling=SamplingConfig(max_new_tokens=4))
+    service = ChatService(config, _engine=engine)
+    server = ApiServer(service, ApiConfig(), port=free_port()).start()
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        document = "".join(f"Line {i} of the long report says nothing new. " for i in range(60))  # 2,700 bytes
+        response = chat(client, [{"role": "system", "content": document}, {"role": "user", "content": "Line 7?"}])
+        assert response.choices[0].finish_reason in ("stop", "length")
+        assert response.usage.prompt_tokens > 5 * service.model_window()
+    finally:
+        server.close()
+        service.close()
+
+
 def test_a_password_requires_the_bearer_key(tmp_path):
     server = Running(tmp_path / "home", ApiConfig(api_key="s3cret"))
     try:
