@@ -120,7 +120,7 @@ def test_streaming_sends_deltas_a_finish_usage_and_done(running):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Echo: stream these words"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
-    with httpx.stream("POST", running.url + "/chat/completions",
+    with httpx.stream("POST", running.url + "/chat/completions", timeout=60,  # httpx's default 5 s is short on a busy CI
                       json={"model": "spotlight", "messages": messages, "stream": True}) as raw:
         lines = [line for line in raw.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
