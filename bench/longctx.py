@@ -31,7 +31,7 @@ from bench.common import Target, finish, log, parser, peak_rss_mb
 
 QUICK = {"lengths": [16_384, 32_768]}
 FULL = {"lengths": [16_384, 32_768, 65_536, 131_072]}
-NEW_TOKENS = 8  # greedy reply tokens per question
+NEW_TOKENS = 20  # greedy reply tokens per question: the model restates the question's frame first (~12 tokens)
 SPEED_AT = 8192  # the short ingest / decode the longest length is compared with
 SPEED_TOKENS = 16  # decode tokens per speed measurement
 QUESTION_ROOM = 512  # tokens kept free for a question and its reply in the truncated and reference prompts
@@ -45,23 +45,35 @@ class Needle:
     answer: str
     depth: float  # share of the haystack before it
 
+    @property
+    def frame(self) -> str:
+        """The sentence up to its answer: the reply's natural start, teacher-forced before the answer."""
+        return self.sentence[: self.sentence.index(self.answer)].rstrip(" ")
 
-def _number(city: str, value: int, depth: float) -> Needle:
-    return Needle("number", f"The special magic number for the city of {city} is {value}.",
-                  f"What is the special magic number for the city of {city}?", str(value), depth)
+    @property
+    def forced_answer(self) -> str:
+        """The answer as it follows `frame` in the sentence (its leading space included)."""
+        return self.sentence[len(self.frame) : self.sentence.index(self.answer) + len(self.answer)]
 
 
-def _phrase(place: str, words: str, depth: float) -> Needle:
-    return Needle("phrase", f"The secret word for {place} is '{words}'.", f"What is the secret word for {place}?",
-                  words, depth)
+def _needle(kind: str, subject: str, answer: str, depth: float) -> Needle:
+    said = answer if kind == "number" else f"'{answer}'"
+    return Needle(kind, f"The {subject} is {said}.", f"What is the {subject}?", answer, depth)
 
 
+# Each needle has its own frame: with one frame for all ten ("... for the city of X is NNNN."), the
+# 135M model answered with another needle's value (measured in the smoke run, dense at 7.6K: 0 of 3).
 NEEDLES = (
-    _number("Lisbon", 7481, 0.05), _phrase("the old harbor", "blue lantern", 0.15),
-    _number("Nairobi", 6137, 0.25), _phrase("the north garden", "silver kettle", 0.35),
-    _number("Hanoi", 3719, 0.45), _phrase("the stone bridge", "amber compass", 0.55),
-    _number("Oslo", 2953, 0.65), _phrase("the quiet library", "velvet anchor", 0.75),
-    _number("Lima", 8426, 0.85), _phrase("the red orchard", "copper violin", 0.95),
+    _needle("number", "special magic number for the city of Lisbon", "7481", 0.05),
+    _needle("phrase", "secret word for the old harbor", "blue lantern", 0.15),
+    _needle("number", "locker code at the Nairobi train station", "6137", 0.25),
+    _needle("phrase", "password of the north garden gate", "silver kettle", 0.35),
+    _needle("number", "room number of the Hanoi office", "3719", 0.45),
+    _needle("phrase", "motto of the chess club", "velvet anchor", 0.55),
+    _needle("number", "ticket number for the Oslo ferry", "2953", 0.65),
+    _needle("phrase", "nickname of the bakery's cat", "copper violin", 0.75),
+    _needle("number", "PIN of the Lima bank account", "8426", 0.85),
+    _needle("phrase", "title of Maria's first painting", "amber compass", 0.95),
 )
 
 
@@ -142,7 +154,8 @@ def _decode_speed(engine, context, ids: list[int]) -> float:
 
 def ask(engine, context, base: list[int], needle: Needle) -> dict:
     """Ask one needle's question after `base` (the context's tokens), then truncate back: the
-    greedy reply, whether it holds the answer, and the answer's teacher-forced log-probability."""
+    greedy reply, whether it holds the answer, and the log-probability of the answer's tokens
+    teacher-forced after the question and the needle's frame (the reply's natural start)."""
     import torch
 
     from bench.quality_tasks import chat_frame
@@ -155,8 +168,9 @@ def ask(engine, context, base: list[int], needle: Needle) -> dict:
     context.truncate(len(base))
     logprob = 0.0
     with torch.inference_mode():
-        logits = prefill(engine.model, context, tail, engine.policy, chunk=engine.config.prefill_chunk)  # (V,)
-        answer = engine.encode(needle.answer)
+        frame = tail + engine.encode(needle.frame)
+        logits = prefill(engine.model, context, frame, engine.policy, chunk=engine.config.prefill_chunk)  # (V,)
+        answer = engine.encode(needle.forced_answer)
         for i, token in enumerate(answer):
             logprob += float(torch.log_softmax(logits.float(), -1)[token])
             if i + 1 < len(answer):
@@ -238,6 +252,8 @@ def needle_rows(lengths, n_tokens, cells) -> list[dict]:
                             "found": sum(r["found"] for r in mine),
                             "numbers": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "number"),
                             "phrases": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "phrase"),
+                            "of dense ~7K's": sum(r["found"] and d["found"]
+                                                  for r, d in zip(mine, cells[(length, "dense ~7K")])),
                             "mean answer log-prob": sum(r["logprob"] for r in mine) / len(mine)})
     detail = []
     for length in lengths:
@@ -297,10 +313,12 @@ def notes_for(engine, lengths, reference_tokens, seconds) -> str:
         f"weights, native window {engine.native_window:,} tokens), through the engine's front door. At each length "
         f"({', '.join(f'{n:,}' for n in lengths)} tokens) one chat prompt of Paul Graham essays (held out from the "
         f"encoders' training) holds 10 needles at depths 0.05-0.95, 5 numbers (\"The special magic number for the "
-        f"city of X is NNNN.\") and 5 phrases (\"The secret word for X is 'blue lantern'.\"); it is prefilled once, "
+        f"city of Lisbon is 7481.\", \"The locker code at the Nairobi train station is 6137.\", ...) and 5 "
+        f"phrases (\"The secret word for the old harbor is 'blue lantern'.\", ...), each with its own frame; it is prefilled once, "
         f"then each question is appended in turn, answered greedily ({NEW_TOKENS} tokens; found = the answer is in "
-        f"the reply) and truncated back; the log-probability of the answer tokens teacher-forced right after the "
-        f"question is given beside it (0 = certain). spotlight = the app's path past the window (sinks {cfg.sinks} + "
+        f"the reply) and truncated back; beside it the log-probability of the answer tokens teacher-forced after the "
+        f"question and the needle's own frame (e.g. \"The special magic number for the city of Lisbon is\", the replies' "
+        f"natural start; 0 = certain). spotlight = the app's path past the window (sinks {cfg.sinks} + "
         f"retrieved {cfg.far_retrieved:,} re-positioned + last {cfg.far_window:,} tokens); sinks+window = the same "
         f"budget without retrieval; truncated = dense over the template and the document's last tokens "
         f"({engine.native_window - QUESTION_ROOM:,} in all); dense ~7K = the same needles and questions in a "

@@ -30,3 +30,10 @@ def test_the_needles_cover_two_formats_at_five_depths_each_with_distinct_answers
     assert kinds == {"number": [0.05, 0.25, 0.45, 0.65, 0.85], "phrase": [0.15, 0.35, 0.55, 0.75, 0.95]}
     assert len({n.answer for n in NEEDLES}) == len({n.question for n in NEEDLES}) == len(NEEDLES)
     assert all(n.answer in n.sentence and n.answer not in n.question for n in NEEDLES)
+
+
+def test_the_forced_reply_is_the_needle_sentence_up_to_its_answer():
+    number, phrase = NEEDLES[0], NEEDLES[1]
+    assert [(number.frame, number.forced_answer), (phrase.frame, phrase.forced_answer)] == [
+        ("The special magic number for the city of Lisbon is", " 7481"),
+        ("The secret word for the old harbor is '", "blue lantern")]
