@@ -76,18 +76,25 @@ def needle_prompt(engine, hay: list[int], length: int, depth: float) -> tuple[li
     prefix = template head + haystack with the needle (prefilled densely); suffix = the
     question and the template's tail up to the assistant turn (decoded through the policy).
     """
-    marker = "@@HAYSTACK@@"
-    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": f"{marker}\n\n{QUESTION}"}],
-                                                tokenize=False, add_generation_prompt=True)
-    head, tail = text.split(marker)
-    head_ids, tail_ids, needle_ids = engine.encode(head), engine.encode(tail), engine.encode(" " + NEEDLE + " ")
+    head_ids, tail_ids = chat_frame(engine, QUESTION)
+    needle_ids = engine.encode(" " + NEEDLE + " ")
     room = length - len(head_ids) - len(tail_ids) - len(needle_ids)
     body = hay[:room]
-    at = _sentence_start(engine, body, int(depth * len(body)))
+    at = sentence_start(engine, body, int(depth * len(body)))
     return head_ids + body[:at] + needle_ids + body[at:], tail_ids
 
 
-def _sentence_start(engine, ids: list[int], at: int) -> int:
+def chat_frame(engine, question: str) -> tuple[list[int], list[int]]:
+    """(head, tail) token ids of a one-turn chat prompt "<document>\n\n<question>": the template
+    before the document, and from the end of the document to the assistant turn."""
+    marker = "@@HAYSTACK@@"
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": f"{marker}\n\n{question}"}],
+                                                tokenize=False, add_generation_prompt=True)
+    head, tail = text.split(marker)
+    return engine.encode(head), engine.encode(tail)
+
+
+def sentence_start(engine, ids: list[int], at: int) -> int:
     """The first position at or before `at` that follows a token ending a sentence."""
     while at > 0 and not engine.tokenizer.decode(ids[at - 1 : at]).rstrip().endswith((".", "?", "!")):
         at -= 1

@@ -1,0 +1,334 @@
+"""Needles far beyond the model's window, ingest and decode speed past it (issue #21).
+
+Through the engine's front door (`Engine.load`, `new_context`, `prefill`, `stream`) on the
+default model (SmolLM2-135M, an 8K window). At each length ONE chat prompt holds a haystack of
+Paul Graham essays (held out from the encoders' training) with NEEDLES planted at their depths,
+two formats (a number, a short phrase). It is prefilled once; then each needle's question is
+appended in turn, answered greedily (`stream`, a few tokens) and the context truncated back;
+the teacher-forced log-probability of the answer tokens right after the question is scored
+the same way (higher is better, 0 = certain). Side by side, in one run:
+
+* `spotlight`: the app's path past the window (SpotlightConfig far_window / far_retrieved);
+* `sinks+window`: the same budget without retrieval (SinkWindowSelector, StreamingLLM);
+* `truncated`: dense attention over the template and the document's last tokens that fit the
+  window with the question (what other local apps do);
+* `dense ~7K`: the reference, dense attention over the same needles and questions in a
+  haystack that fits the window (the model's own ability).
+
+Speed: while the Spotlight context of the longest length is prefilled, the tokens/s of its first
+8,192 tokens (an 8K ingest) beside that of the whole length, and decode tokens/s (greedy, the
+essay's continuation) at 8K and at the full length, in the same context.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from bench.common import Target, finish, log, parser, peak_rss_mb
+
+QUICK = {"lengths": [16_384, 32_768]}
+FULL = {"lengths": [16_384, 32_768, 65_536, 131_072]}
+NEW_TOKENS = 20  # greedy reply tokens per question: the model restates the question's frame first (~12 tokens)
+SPEED_AT = 8192  # the short ingest / decode the longest length is compared with
+SPEED_TOKENS = 16  # decode tokens per speed measurement
+QUESTION_ROOM = 512  # tokens kept free for a question and its reply in the truncated and reference prompts
+
+
+@dataclass(frozen=True)
+class Needle:
+    kind: str  # "number" | "phrase"
+    sentence: str  # planted in the haystack
+    question: str
+    answer: str
+    depth: float  # share of the haystack before it
+
+    @property
+    def frame(self) -> str:
+        """The sentence up to its answer: the reply's natural start, teacher-forced before the answer."""
+        return self.sentence[: self.sentence.index(self.answer)].rstrip(" ")
+
+    @property
+    def forced_answer(self) -> str:
+        """The answer as it follows `frame` in the sentence (its leading space included)."""
+        return self.sentence[len(self.frame) : self.sentence.index(self.answer) + len(self.answer)]
+
+
+def _needle(kind: str, subject: str, answer: str, depth: float) -> Needle:
+    said = answer if kind == "number" else f"'{answer}'"
+    return Needle(kind, f"The {subject} is {said}.", f"What is the {subject}?", answer, depth)
+
+
+# Each needle has its own frame: with one frame for all ten ("... for the city of X is NNNN."), the
+# 135M model answered with another needle's value (measured in the smoke run, dense at 7.6K: 0 of 3).
+NEEDLES = (
+    _needle("number", "special magic number for the city of Lisbon", "7481", 0.05),
+    _needle("phrase", "secret word for the old harbor", "blue lantern", 0.15),
+    _needle("number", "locker code at the Nairobi train station", "6137", 0.25),
+    _needle("phrase", "password of the north garden gate", "silver kettle", 0.35),
+    _needle("number", "room number of the Hanoi office", "3719", 0.45),
+    _needle("phrase", "motto of the chess club", "velvet anchor", 0.55),
+    _needle("number", "ticket number for the Oslo ferry", "2953", 0.65),
+    _needle("phrase", "nickname of the bakery's cat", "copper violin", 0.75),
+    _needle("number", "PIN of the Lima bank account", "8426", 0.85),
+    _needle("phrase", "title of Maria's first painting", "amber compass", 0.95),
+)
+
+
+def plant(body: Sequence, needles: Sequence[tuple[float, Sequence]], snap: Callable[[Sequence, int], int]) -> list:
+    """`body` with each (depth, items) inserted at snap(body, int(depth * len(body))): a position
+    of the unplanted body (e.g. the sentence start at or before it), in depth order."""
+    cuts = sorted((snap(body, int(depth * len(body))), i) for i, (depth, _) in enumerate(needles))
+    out, last = [], 0
+    for at, i in cuts:
+        out += list(body[last:at]) + list(needles[i][1])
+        last = at
+    return out + list(body[last:])
+
+
+def found(reply: str, answer: str) -> bool:
+    """Whether the answer is in the reply (case and quotes ignored)."""
+    clean = reply.lower().replace("'", "").replace('"', "")
+    return answer.lower() in clean
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def haystack(engine, hay: list[int], length: int) -> list[int]:
+    """Template head + essays with every needle planted, leaving room for the longest question
+    and its reply within `length` tokens."""
+    from bench.quality_tasks import chat_frame, sentence_start
+
+    head, _ = chat_frame(engine, NEEDLES[0].question)
+    planted = [(n.depth, engine.encode(" " + n.sentence + " ")) for n in NEEDLES]
+    tail = max(len(chat_frame(engine, n.question)[1]) for n in NEEDLES)
+    room = length - len(head) - tail - NEW_TOKENS - sum(len(ids) for _, ids in planted)
+    assert len(hay) >= room, f"the essays hold {len(hay):,} tokens, fewer than {room:,}"
+    return head + plant(hay[:room], planted, lambda ids, at: sentence_start(engine, ids, at))
+
+
+def truncated(engine, prompt: list[int], keep: int) -> list[int]:
+    """The template head + the last tokens of the document, `keep` tokens in all."""
+    from bench.quality_tasks import chat_frame
+
+    head, _ = chat_frame(engine, NEEDLES[0].question)
+    return head + prompt[len(prompt) - (keep - len(head)) :]
+
+
+# ----------------------------------------------------------------------------- asking
+
+
+def ingest(engine, ids: list[int], speed_at: int | None = None) -> tuple[object, dict]:
+    """A context holding `ids`, prefilled through the engine; with `speed_at`, the prefill and
+    decode tokens/s at `speed_at` tokens and at len(ids) (decode: the text's greedy continuation,
+    then truncated back)."""
+    context = engine.new_context(capacity=len(ids) + 256)
+    speed = {}
+    started = time.perf_counter()
+    if speed_at is not None and len(ids) > speed_at:
+        engine.prefill(context, ids[:speed_at])
+        short = time.perf_counter() - started
+        speed["prefill_short"] = speed_at / short
+        speed["decode_short"] = _decode_speed(engine, context, ids[:speed_at])
+        resumed = time.perf_counter()
+        engine.prefill(context, ids[speed_at:])
+        seconds = short + (time.perf_counter() - resumed)  # the decode at 8K left out
+        speed["prefill_long"] = len(ids) / seconds
+        speed["decode_long"] = _decode_speed(engine, context, ids)
+    else:
+        engine.prefill(context, ids)
+    speed["prefill_seconds"] = time.perf_counter() - started
+    return context, speed
+
+
+def _decode_speed(engine, context, ids: list[int]) -> float:
+    from spotlight.config import SamplingConfig
+
+    steps = list(engine.stream(context, ids, SamplingConfig(max_new_tokens=SPEED_TOKENS)))
+    context.truncate(len(ids))
+    return steps[-1].stats.decode_tps
+
+
+def ask(engine, context, base: list[int], needle: Needle) -> dict:
+    """Ask one needle's question after `base` (the context's tokens), then truncate back: the
+    greedy reply, whether it holds the answer, and the log-probability of the answer's tokens
+    teacher-forced after the question and the needle's frame (the reply's natural start)."""
+    import torch
+
+    from bench.quality_tasks import chat_frame
+    from spotlight.config import SamplingConfig
+    from spotlight.generate import prefill
+
+    _, tail = chat_frame(engine, needle.question)
+    steps = list(engine.stream(context, base + tail, SamplingConfig(max_new_tokens=NEW_TOKENS)))
+    reply = "".join(s.text for s in steps)
+    context.truncate(len(base))
+    logprob = 0.0
+    with torch.inference_mode():
+        frame = tail + engine.encode(needle.frame)
+        logits = prefill(engine.model, context, frame, engine.policy, chunk=engine.config.prefill_chunk)  # (V,)
+        answer = engine.encode(needle.forced_answer)
+        for i, token in enumerate(answer):
+            logprob += float(torch.log_softmax(logits.float(), -1)[token])
+            if i + 1 < len(answer):
+                logits = prefill(engine.model, context, [token], engine.policy, chunk=1)
+    context.truncate(len(base))
+    return {"found": found(reply, needle.answer), "logprob": logprob, "reply": reply.strip().replace("\n", " ")}
+
+
+def ask_all(engine, ids: list[int], name: str, label: str, speed_at: int | None = None) -> tuple[list[dict], dict]:
+    context, speed = ingest(engine, ids, speed_at)
+    log(f"{label} {name}: {len(ids):,} tokens prefilled in {speed['prefill_seconds']:.0f} s")
+    results = []
+    for needle in NEEDLES:
+        result = ask(engine, context, ids, needle)
+        log(f"  {needle.kind} @{needle.depth:.2f} found={result['found']} logprob={result['logprob']:.2f} "
+            f"{result['reply'][:60]!r}")
+        results.append(result)
+    del context
+    return results, speed
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def engines():
+    """(spotlight, sinks+window, dense) engines sharing one model."""
+    from spotlight import Engine
+    from spotlight.attention import SinkWindowSelector, SpotlightDecode
+    from spotlight.config import EngineConfig, SpotlightConfig, default_home
+
+    spot = Engine.load(EngineConfig(), default_home(), SpotlightConfig())
+    sink = dataclasses.replace(spot, policy=SpotlightDecode(spot.spotlight, SinkWindowSelector()))
+    return spot, sink, spot.with_spotlight(SpotlightConfig(enabled=False))
+
+
+METHODS = ("spotlight", "sinks+window", "truncated", "dense ~7K")
+
+
+def main(argv=None) -> dict:
+    from bench.quality_tasks import essay_ids
+
+    p = parser("longctx", __doc__.splitlines()[0])
+    p.add_argument("--full", action="store_true", help="also 64K and 128K tokens")
+    p.add_argument("--lengths", help="comma-separated prompt lengths in tokens (overrides --quick/--full)")
+    args = p.parse_args(argv)
+    lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
+               else (FULL if args.full else QUICK)["lengths"])
+    started = time.perf_counter()
+    spot, sink, dense = engines()
+    window = spot.native_window
+    hay = essay_ids(spot)
+    reference = haystack(spot, hay, window - QUESTION_ROOM)
+    log(f"window {window:,}; essays {len(hay):,} tokens; lengths {lengths}")
+    answers = {"dense ~7K": ask_all(dense, reference, "dense ~7K", "reference")[0]}
+    cells, speed, n_tokens = {}, {}, {}
+    for length in lengths:
+        prompt = haystack(spot, hay, length)
+        n_tokens[length] = len(prompt)
+        cells[(length, "spotlight")], speed[length] = ask_all(
+            spot, prompt, "spotlight", f"{length:,}", SPEED_AT if length == max(lengths) else None)
+        cells[(length, "sinks+window")], _ = ask_all(sink, prompt, "sinks+window", f"{length:,}")
+        cells[(length, "truncated")], _ = ask_all(dense, truncated(spot, prompt, window - QUESTION_ROOM),
+                                                  "truncated", f"{length:,}")
+        cells[(length, "dense ~7K")] = answers["dense ~7K"]
+    rows = needle_rows(lengths, n_tokens, cells) + speed_rows(lengths, speed)
+    targets = needle_targets(lengths, cells) + speed_targets(max(lengths), speed[max(lengths)])
+    notes = notes_for(spot, lengths, len(reference), time.perf_counter() - started)
+    return finish("longctx", args, rows, targets, title="Long context: needles and speed past the window (issue #21)",
+                  notes=notes)
+
+
+def needle_rows(lengths, n_tokens, cells) -> list[dict]:
+    summary = []
+    for length in lengths:
+        for method in METHODS:
+            mine = cells[(length, method)]
+            summary.append({"part": "needles found (of 10: 5 numbers + 5 phrases)", "length": f"{length:,}",
+                            "prompt tokens": n_tokens[length], "method": method,
+                            "found": sum(r["found"] for r in mine),
+                            "numbers": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "number"),
+                            "phrases": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "phrase"),
+                            "of dense ~7K's": sum(r["found"] and d["found"]
+                                                  for r, d in zip(mine, cells[(length, "dense ~7K")])),
+                            "mean answer log-prob": sum(r["logprob"] for r in mine) / len(mine)})
+    detail = []
+    for length in lengths:
+        for i, needle in enumerate(NEEDLES):
+            row = {"part": "each needle: found, answer log-prob", "length": f"{length:,}", "depth": needle.depth,
+                   "answer": needle.answer}
+            for method in METHODS:
+                r = cells[(length, method)][i]
+                row[method] = f"{'yes' if r['found'] else 'no'} {r['logprob']:.2f}"
+            row["spotlight's reply"] = cells[(length, "spotlight")][i]["reply"][:40]
+            detail.append(row)
+    return summary + detail
+
+
+def speed_rows(lengths, speed) -> list[dict]:
+    longest = max(lengths)
+    s = speed[longest]
+    rss = peak_rss_mb()
+    return [
+        {"part": "speed (Spotlight, one context)", "measure": "prefill tokens/s", "at 8K": s.get("prefill_short"),
+         f"at {longest:,}": s.get("prefill_long"), "ratio": _ratio(s, "prefill")},
+        {"part": "speed (Spotlight, one context)", "measure": "decode tokens/s", "at 8K": s.get("decode_short"),
+         f"at {longest:,}": s.get("decode_long"), "ratio": _ratio(s, "decode")},
+        {"part": "speed (Spotlight, one context)", "measure": "peak RSS MB (whole run)", "at 8K": None,
+         f"at {longest:,}": rss, "ratio": None},
+    ]
+
+
+def _ratio(s: dict, what: str) -> float:
+    short, long = s.get(f"{what}_short"), s.get(f"{what}_long")
+    return long / short if short and long else float("nan")
+
+
+def needle_targets(lengths, cells) -> list[Target]:
+    out = []
+    reference = sum(r["found"] for r in cells[(lengths[0], "dense ~7K")])
+    for length in lengths:
+        mine = sum(r["found"] for r in cells[(length, "spotlight")])
+        share = mine / reference if reference else float("nan")
+        out.append(Target(f"needles found at {length:,} / found by dense within the window ({mine} / {reference})",
+                          share, 0.95))
+    return out
+
+
+def speed_targets(longest: int, s: dict) -> list[Target]:
+    out = [Target(f"prefill tokens/s at {longest:,} / at 8K", _ratio(s, "prefill"), 0.8),
+           Target(f"decode tokens/s at {longest:,} / at 8K", _ratio(s, "decode"), 0.7)]
+    if longest >= 131_072:
+        out.append(Target(f"peak RSS MB at {longest:,}", peak_rss_mb(), 4096, higher_is_better=False))
+    return out
+
+
+def notes_for(engine, lengths, reference_tokens, seconds) -> str:
+    cfg = engine.spotlight
+    return (
+        f"The default model, {Path(engine.source.origin).name} ({engine.config.weights} "
+        f"weights, native window {engine.native_window:,} tokens), through the engine's front door. At each length "
+        f"({', '.join(f'{n:,}' for n in lengths)} tokens) one chat prompt of Paul Graham essays (held out from the "
+        f"encoders' training) holds 10 needles at depths 0.05-0.95, 5 numbers (\"The special magic number for the "
+        f"city of Lisbon is 7481.\", \"The locker code at the Nairobi train station is 6137.\", ...) and 5 "
+        f"phrases (\"The secret word for the old harbor is 'blue lantern'.\", ...), each with its own frame; it is prefilled once, "
+        f"then each question is appended in turn, answered greedily ({NEW_TOKENS} tokens; found = the answer is in "
+        f"the reply) and truncated back; beside it the log-probability of the answer tokens teacher-forced after the "
+        f"question and the needle's own frame (e.g. \"The special magic number for the city of Lisbon is\", the replies' "
+        f"natural start; 0 = certain). spotlight = the app's path past the window (sinks {cfg.sinks} + "
+        f"retrieved {cfg.far_retrieved:,} re-positioned + last {cfg.far_window:,} tokens); sinks+window = the same "
+        f"budget without retrieval; truncated = dense over the template and the document's last tokens "
+        f"({engine.native_window - QUESTION_ROOM:,} in all); dense ~7K = the same needles and questions in a "
+        f"{reference_tokens:,}-token haystack, dense (the model's own ability, the reference). Speed: in the "
+        f"Spotlight context of the longest length, prefill tokens/s of its first 8,192 tokens and of the whole, "
+        f"decode tokens/s ({SPEED_TOKENS} greedy tokens) at 8K and at the whole length; the 2-core machine was "
+        f"shared with other jobs, so absolute rates are noisy and only the ratios compare. Run took {seconds / 60:.0f} "
+        f"minutes."
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""bench/longctx.py's needle planting and scoring, on strings (no model)."""
+from bench.longctx import NEEDLES, found, plant
+
+
+def sentence_start(text, at):
+    """The first position at or before `at` that follows a '.'."""
+    while at > 0 and text[at - 1] != ".":
+        at -= 1
+    return at
+
+
+def test_needles_are_planted_at_sentence_starts_in_depth_order():
+    body = "Aaaa.Bbbb.Cccc.Dddd."  # 20 characters, sentences start at 0, 5, 10, 15
+    planted = plant(body, [(0.6, "[y]"), (0.3, "[x]"), (0.0, "[w]")], sentence_start)
+    assert "".join(planted) == "[w]Aaaa.[x]Bbbb.[y]Cccc.Dddd."
+
+
+def test_two_needles_in_one_sentence_keep_their_order():
+    planted = plant("Aaaa.Bbbbbbbbb.", [(0.5, "[1]"), (0.9, "[2]")], sentence_start)
+    assert "".join(planted) == "Aaaa.[1][2]Bbbbbbbbb."
+
+
+def test_found_ignores_case_and_quotes_and_needs_the_whole_answer():
+    assert [found("The secret word is 'Blue Lantern'.", "blue lantern"), found("It is 748.", "7481"),
+            found("the number is 7481.", "7481"), found("blue", "blue lantern")] == [True, False, True, False]
+
+
+def test_the_needles_cover_two_formats_at_five_depths_each_with_distinct_answers():
+    kinds = {kind: sorted(n.depth for n in NEEDLES if n.kind == kind) for kind in ("number", "phrase")}
+    assert kinds == {"number": [0.05, 0.25, 0.45, 0.65, 0.85], "phrase": [0.15, 0.35, 0.55, 0.75, 0.95]}
+    assert len({n.answer for n in NEEDLES}) == len({n.question for n in NEEDLES}) == len(NEEDLES)
+    assert all(n.answer in n.sentence and n.answer not in n.question for n in NEEDLES)
+
+
+def test_the_forced_reply_is_the_needle_sentence_up_to_its_answer():
+    number, phrase = NEEDLES[0], NEEDLES[1]
+    assert [(number.frame, number.forced_answer), (phrase.frame, phrase.forced_answer)] == [
+        ("The special magic number for the city of Lisbon is", " 7481"),
+        ("The secret word for the old harbor is '", "blue lantern")]
