@@ -72,12 +72,18 @@ def _summary_prompt(engine, documents):
     return list(Renderer(engine).prompt(Conversation("Be brief.", documents, (("user", request),))).ids)
 
 
-def test_a_summary_inside_a_conversation_renders_the_documents_and_the_request_only(tmp_path):
+def _one_exchange_over_a_document(tmp_path):
+    """(echo engine, service, conversation) with short.txt attached and one question answered."""
     engine = echo_engine()
     service = _echo_service(tmp_path, engine)
     session = service.create()
     service.attach_text(session.id, "short.txt", PARAGRAPH * 3)
     list(service.send(session.id, "Who owns the harbour cat?"))
+    return engine, service, session
+
+
+def test_a_summary_inside_a_conversation_renders_the_documents_and_the_request_only(tmp_path):
+    engine, service, session = _one_exchange_over_a_document(tmp_path)
     final = list(service.summarize(session.id))[-1]
     prompt, sampling = engine.requests[-1]
     assert prompt == _summary_prompt(engine, (AttachedDocument("", "short.txt", PARAGRAPH * 3),))
@@ -108,11 +114,7 @@ def test_the_summary_budget_is_cut_to_what_the_window_leaves(tmp_path):
 
 
 def test_regenerating_a_summary_summarises_again(tmp_path):
-    engine = echo_engine()
-    service = _echo_service(tmp_path, engine)
-    session = service.create()
-    service.attach_text(session.id, "short.txt", PARAGRAPH * 3)
-    list(service.send(session.id, "Who owns the harbour cat?"))
+    engine, service, session = _one_exchange_over_a_document(tmp_path)
     list(service.summarize(session.id))
     list(service.regenerate(session.id))
     prompt, sampling = engine.requests[-1]
