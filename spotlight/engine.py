@@ -32,7 +32,7 @@ from .beyond import fitted_config
 from .cache import BufferPool, KVCache, kv_buffer_bytes
 from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
 from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
-from .hashing import EncoderSpec, Encoders, load_encoders
+from .hashing import EncoderSpec, Encoders, checkpoint_matches, load_encoders
 from .generate import Context, ProgressFn, Step, prefill, stream
 from .model import Transformer, build_model
 from .observers import StepObserver
@@ -73,6 +73,7 @@ class Engine:
     load_seconds: float = 0.0
     warnings: tuple[str, ...] = ()
     buffers: BufferPool = field(default_factory=lambda: BufferPool(0))  # kept K/V memory (KVCache)
+    encoder_dirs: tuple[Path, ...] = (CHECKPOINTS,)  # where trained encoders are looked for (encoder_dirs)
 
     @classmethod
     def load(cls, config: EngineConfig, home: Path, spotlight: SpotlightConfig | None = None) -> "Engine":
@@ -100,13 +101,14 @@ class Engine:
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
             spotlight = fitted_config(spotlight, args.max_seq_len, config.prefill_chunk)
-            encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path)
+            encoders, warnings = find_encoders(args, source.fingerprint, spotlight.bits, config.encoder_path,
+                                               encoder_dirs(home))
             policy = SpotlightDecode(spotlight, CodeSelector(encoders.to(config.device)))
         for warning in warnings:
             log.warning(warning)
         buffers = BufferPool(2 * kv_buffer_bytes(args, _DTYPES[config.dtype], _pool_tokens(config, args)))
         return cls(config, args, model, tokenizer, source, policy, time.perf_counter() - started, tuple(warnings),
-                   buffers)
+                   buffers, encoder_dirs(home))
 
     def with_spotlight(self, spotlight: SpotlightConfig) -> "Engine":
         """This engine decoding as `spotlight` says: itself when it already does, else a new
@@ -122,7 +124,8 @@ class Engine:
         encoders = getattr(selector, "encoders", None)  # a CodeSelector's; other selectors have none
         warnings = self.warnings
         if encoders is None or encoders.spec.bits != spotlight.bits:
-            encoders, found = find_encoders(self.args, self.fingerprint, spotlight.bits, self.config.encoder_path)
+            encoders, found = find_encoders(self.args, self.fingerprint, spotlight.bits, self.config.encoder_path,
+                                            self.encoder_dirs)
             encoders, warnings = encoders.to(self.config.device), tuple(found)
         return dataclasses.replace(self, policy=SpotlightDecode(spotlight, CodeSelector(encoders)), warnings=warnings)
 
@@ -313,16 +316,31 @@ def _pool_tokens(config: EngineConfig, args: ModelArgs) -> int:
     return min(args.max_seq_len, _POOL_TOKENS_MAX) if config.kv_pool_tokens is None else config.kv_pool_tokens
 
 
-def find_encoders(args: ModelArgs, fingerprint: str, bits: int, path: str | None) -> tuple[Encoders, list[str]]:
-    """The encoder checkpoint for this model: the given path, else a shipped one whose model
-    fingerprint matches, else untrained identity-like encoders (with a warning saying so)."""
+def encoder_dirs(home: Path) -> tuple[Path, ...]:
+    """Where trained encoder checkpoints are looked for, in order: the shipped ones, then the
+    user's own under `<home>/encoders` (what training from Settings writes)."""
+    return (CHECKPOINTS, Path(home) / "encoders")
+
+
+def trained_encoders(fingerprint: str, bits: int, dirs: tuple[Path, ...]) -> Path | None:
+    """The first checkpoint in `dirs` trained for this model fingerprint at `bits`, read from its
+    metadata only (cheap enough to label every installed model); None when there is none."""
+    for directory in dirs:
+        for candidate in sorted(Path(directory).glob("*.safetensors")):
+            if checkpoint_matches(candidate, fingerprint, bits):
+                return candidate
+    return None
+
+
+def find_encoders(args: ModelArgs, fingerprint: str, bits: int, path: str | None,
+                  dirs: tuple[Path, ...] = (CHECKPOINTS,)) -> tuple[Encoders, list[str]]:
+    """The encoder checkpoint for this model: the given path, else the first one in `dirs` whose
+    model fingerprint and bits match, else untrained identity-like encoders (with a warning)."""
     if path is not None:  # an explicit checkpoint must fit; errors are the user's to fix
         return load_encoders(Path(path), model_fingerprint=fingerprint, bits=bits), []
-    for candidate in sorted(CHECKPOINTS.glob("*.safetensors")):
-        try:
-            return load_encoders(candidate, model_fingerprint=fingerprint, bits=bits), []
-        except EncoderMismatch:
-            continue
+    found = trained_encoders(fingerprint, bits, dirs)
+    if found is not None:
+        return load_encoders(found, model_fingerprint=fingerprint, bits=bits), []
     warning = (f"no trained Spotlight encoders for this model at {bits} bits: using untrained (identity-like) "
                f"codes, which retrieve less precisely; train them with `python -m spotlight.train`")
     return Encoders(EncoderSpec.for_model(args, bits), model_fingerprint=fingerprint), [warning]

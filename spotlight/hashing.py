@@ -145,6 +145,20 @@ def file_fingerprint(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:32]
 
 
+def checkpoint_matches(path: Path, model_fingerprint: str, bits: int) -> bool:
+    """Whether `path` is a readable encoder checkpoint for this model at `bits` (metadata only)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        spec = json.loads(meta["spec"])
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError):
+        return False
+    return (meta.get("format") == FORMAT and meta.get("model_fingerprint") == model_fingerprint
+            and spec.get("bits") == bits)
+
+
 def load_encoders(path: Path, *, model_fingerprint: str | None = None, bits: int | None = None) -> Encoders:
     """Read a checkpoint; refuse one made for another model or another bit count."""
     from safetensors import SafetensorError

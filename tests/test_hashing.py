@@ -59,3 +59,17 @@ def test_random_init_differs_from_identity():
     ident, rand = encoders(init="identity"), encoders(init="random")
     x = torch.randn(ident.spec.n_kv_heads, 4, ident.spec.head_dim)
     assert not torch.equal(ident.key_bits(0, x) > 0, rand.key_bits(0, x) > 0)
+
+
+def test_trained_encoders_are_found_by_model_and_bits_in_the_users_folder(tmp_path):
+    from spotlight.engine import encoder_dirs, trained_encoders
+
+    home = tmp_path / "home"
+    (home / "encoders").mkdir(parents=True)
+    encoders(bits=64).save(home / "encoders" / "a-64.safetensors")
+    encoders(bits=128).save(home / "encoders" / "a-128.safetensors")
+    (home / "encoders" / "broken.safetensors").write_bytes(b"\x13" * 100)
+    dirs = encoder_dirs(home)[1:]  # the user's folder only (the shipped ones are for SmolLM2)
+    assert [trained_encoders(fp, bits, dirs) for fp, bits in
+            [("model-a", 128), ("model-a", 64), ("model-b", 128), ("model-a", 32)]] == [
+        home / "encoders" / "a-128.safetensors", home / "encoders" / "a-64.safetensors", None, None]
