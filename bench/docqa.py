@@ -118,8 +118,10 @@ def build_excerpts(documents: dict[str, DocumentSpec], questions: list[Question]
 
 
 def service_for(run: RunConfig, store_root: Path):
+    from chat.config import AppConfig
     from chat.service import ChatService
-    from spotlight.config import AppConfig, EngineConfig, SamplingConfig, SpotlightConfig, StoreConfig
+    from memory.config import StoreConfig
+    from spotlight.config import EngineConfig, SamplingConfig, SpotlightConfig
     from spotlight.packaged import MODELS, packaged_gguf
 
     gguf = packaged_gguf(MODELS[run.model], HOME / "models")
@@ -282,7 +284,7 @@ def main(argv=None) -> int:
 
 def rescore(args) -> int:
     """Rows from saved replies, scored again (timings as saved; load_s was not kept)."""
-    from spotlight.config import AppConfig
+    from chat.config import AppConfig
 
     _, questions = load_questions()
     by_id = {q.id: q for q in questions}
