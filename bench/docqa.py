@@ -19,9 +19,11 @@ new tokens; the system prompt is the app's default (recorded in the notes).
 
 Columns: accuracy (an accepted answer string in the reply), hallucinated (a wrong reply
 stating a value of the expected kind, over the questions whose kind has detectable values),
-sources_shown (the reply came with sources), top_source_hit (the first source's quote
-contains an accepted answer, over all questions), document prefill tok/s (the first
-question of each excerpt, which computes it) and decode tok/s (median over replies).
+sources_shown (the reply came with sources: only those related to the reply are shown,
+chat/sources.py), top_source_hit (the first source's quote contains an accepted answer, over
+all questions), sources_right (the same over the replies that showed sources), document
+prefill tok/s (the first question of each excerpt, which computes it) and decode tok/s
+(median over replies).
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ FRAMINGS = {"plain": "{question}", "brief": "Answer from the document in a few w
 
 
 COLUMNS = ["model", "attention", "length", "questions", "accuracy", "held_out_accuracy", "hallucinated",
-           "sources_shown", "top_source_hit", "read_share", "doc_prefill_tps", "decode_tps", "seconds", "load_s",
+           "sources_shown", "top_source_hit", "sources_right", "read_share", "doc_prefill_tps", "decode_tps",
+           "seconds", "load_s",
            *(f"acc_{kind}" for kind in TEXT_KINDS)]
 
 
@@ -148,7 +151,7 @@ def ask(service, document_id: str, excerpt: Excerpt, question: Question, framing
         "correct": correct(turn.text, question.answers, question.distractors),
         "hallucinated": hallucinated(turn.text, question),
         "sources_shown": bool(sources),
-        "top_source_hit": any(contains(top_quote, answer) for answer in question.answers),
+        "top_source_hit": any(contains(top_quote, answer) for answer in question.answers), "top_quote": top_quote,
         "depth": round(excerpt.depths.get(question.passage, float("nan")), 3), "excerpt_tokens": excerpt.n_tokens,
         "prefill_tokens": turn.prefill_tokens, "prefill_tps": turn.prefill_tps,
         "decode_tokens": turn.decode_tokens, "decode_tps": turn.decode_tps, "read_share": turn.read_share,
@@ -199,6 +202,7 @@ def summarise(run: RunConfig, length: int, block: list[dict], seconds: float, lo
            "held_out_accuracy": share([a for a in block if a["document_kind"] in HELD_OUT], "correct"),
            "hallucinated": share(valued, "hallucinated"), "sources_shown": share(block, "sources_shown"),
            "top_source_hit": share(block, "top_source_hit"),
+           "sources_right": share([a for a in block if a["sources_shown"]], "top_source_hit"),
            "doc_prefill_tps": statistics.median(firsts) if firsts else float("nan"),
            "decode_tps": statistics.median([a["decode_tps"] for a in block]) if block else float("nan"),
            "read_share": statistics.mean(shares) if shares else float("nan"),
@@ -332,8 +336,11 @@ def _notes(questions, skipped, system_prompt, penalty, excerpts) -> str:
         f"tokens. accuracy: an accepted answer string in the reply (case-insensitive, normalised whitespace, "
         f"word boundaries); held_out_accuracy: essays, Python docs and planted facts only (Spotlight's encoders "
         f"were trained on the plays and the KJV); hallucinated: share of wrong replies stating a value of the "
-        f"expected kind, over the questions of kinds {', '.join(KINDS_WITH_VALUES)}; top_source_hit: the first "
-        f"source quote contains an accepted answer. doc_prefill_tps: median over the first question of each "
+        f"expected kind, over the questions of kinds {', '.join(KINDS_WITH_VALUES)}; sources_shown: the reply came "
+        f"with sources (the app shows only sources sharing a name, number or uncommon word with the reply, "
+        f"chat/sources.py); top_source_hit: the first source quote contains an accepted answer (over all "
+        f"questions); sources_right: the same over the replies that showed sources. doc_prefill_tps: median "
+        f"over the first question of each "
         f"excerpt (which prefills it); decode_tps: median over replies. Spotlight with a model that has no "
         f"trained encoders (Qwen) uses untrained identity-like codes (the engine warns). seconds: the row's "
         f"questions; load_s: the model load (and conversion on first use). read_share: the mean share of the "

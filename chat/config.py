@@ -16,7 +16,7 @@ from spotlight.config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, Eng
 REGENERATE_TEMPERATURE = 0.7
 REGENERATE_TOP_P = 0.9
 
-__all__ = ["MB", "QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "WEIGHTS", "WEIGHTS_HELP",
+__all__ = ["MB", "QUANTIZE", "SOURCES", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "WEIGHTS", "WEIGHTS_HELP",
            "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig", "UploadLimits"]
 
 MB = 1000 * 1000  # bytes: the megabyte file managers show
@@ -46,6 +46,9 @@ class UploadLimits:
             raise ValueError(f"the document token limit must be positive, got {self.max_tokens}")
 
 
+SOURCES = ("related", "all")  # AppConfig.sources
+
+
 @dataclass(frozen=True)
 class AppConfig:
     """Everything the app needs, composed once at the entry point."""
@@ -58,12 +61,17 @@ class AppConfig:
     system_prompt: str = "You are a helpful assistant. Answer from the document when one is given."
     # tokens a summary may run to (Summarize): its own request, longer than a reply (sampling.max_new_tokens)
     summary_tokens: int = 768
+    # sources under a reply: "related" shows only passages sharing a salient word with it (chat/sources.py);
+    # "all" every top-attended passage
+    sources: str = "related"
     host: str = "127.0.0.1"
     port: int = 7860
 
     def __post_init__(self):
         if self.summary_tokens < 1:
             raise ValueError(f"a summary needs at least 1 token (summary_tokens), got {self.summary_tokens}")
+        if self.sources not in SOURCES:
+            raise ValueError(f"sources must be one of {', '.join(SOURCES)}; got {self.sources!r}")
 
     @property
     def store(self) -> StoreConfig:

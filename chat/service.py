@@ -151,7 +151,8 @@ class ChatService:
         engine, store = self.engine, self.store
         with self._open_lock:
             if self._runner is None:
-                self._runner = TurnRunner(engine, store, self.config.sampling, self._pool, self._gate)
+                self._runner = TurnRunner(engine, store, self.config.sampling, self._pool, self._gate,
+                                          all_sources=self.config.sources == "all")
             return self._runner
 
     def warnings(self) -> tuple[str, ...]:

@@ -10,8 +10,16 @@ the square root of its length (so one sharp sentence beats a long one that colle
 little everywhere); segments are ranked by that score, and each `Source` carries its
 document's name, the segment's page (PDF) or heading path (DOCX, Markdown), the sentence
 and the segment's share of the mass the answer put on all documents.
+
+A source is shown only when it is likely right: its quote shares a salient word (a name, a
+number, a word of five letters or more outside a short list of common ones) with the reply.
+Attention alone picked unrelated passages under small models' answers (issue #22); a quote
+that has none of the answer's words cannot be where the answer came from. `bench.docqa`
+measures how often the shown top source holds the answer (`top_source_hit`).
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -24,7 +32,32 @@ from .render import Conversation, Rendering, SegmentRange
 TOP_SOURCES = 3
 QUOTE_CHARS = 240  # a quoted sentence longer than this is cut with an ellipsis
 
-__all__ = ["SourceTracker", "TOP_SOURCES"]
+# Words too common to tie a quote to a reply (five letters or more; shorter words never count).
+COMMON_WORDS = frozenset("""
+about above after again against along among another answer before being below between could
+document during every first found given great their there these thing think those three through
+under until where which while whose would write wrote years other since still today never often
+people place point right small large world might should shall little before later early
+""".split())
+_WORD = re.compile(r"[^\W\d_]{5,}|\d+(?:[.,]\d+)*", re.UNICODE)
+
+__all__ = ["SourceTracker", "TOP_SOURCES", "likely_right", "related", "salient_words"]
+
+
+def salient_words(text: str) -> set[str]:
+    """The words of `text` that can tie it to another text: numbers, and words of five letters
+    or more (lower-cased) outside COMMON_WORDS."""
+    return {w for w in (m.group(0).lower() for m in _WORD.finditer(text)) if w not in COMMON_WORDS}
+
+
+def related(quote: str, reply: str) -> bool:
+    """Whether the quote shares a salient word with the reply (a likely source of it)."""
+    return bool(salient_words(quote) & salient_words(reply))
+
+
+def likely_right(sources: list[Source], reply: str) -> list[Source]:
+    """The sources worth showing under `reply`: those `related` to it, in their order."""
+    return [source for source in sources if related(source.quote, reply)]
 
 
 class SourceTracker:
@@ -42,9 +75,11 @@ class SourceTracker:
         ranges = [r for r in rendering.segments if r.end <= len(rendering)]
         return cls(conversation, rendering, ranges) if ranges else None
 
-    def sources(self, top: int = TOP_SOURCES) -> list[Source]:
-        """The reply's sources (none before its first decode step)."""
-        return self.rank(self.observer.mass, top) if self.observer.steps else []
+    def sources(self, reply: str | None = None, top: int = TOP_SOURCES) -> list[Source]:
+        """The reply's sources (none before its first decode step); with `reply`, only those
+        `related` to it."""
+        ranked = self.rank(self.observer.mass, top) if self.observer.steps else []
+        return ranked if reply is None else likely_right(ranked, reply)
 
     def rank(self, mass: np.ndarray, top: int = TOP_SOURCES) -> list[Source]:
         """The `top` segments by their best sentence's score under `mass` (attention per

@@ -57,8 +57,10 @@ class ReplyPlan:
 class TurnRunner:
     """Runs replies and resumes on one engine against one store."""
 
-    def __init__(self, engine, store: Store, sampling: SamplingConfig, pool: ContextPool, gate: EngineGate):
+    def __init__(self, engine, store: Store, sampling: SamplingConfig, pool: ContextPool, gate: EngineGate,
+                 all_sources: bool = False):
         self.engine = engine
+        self.all_sources = all_sources  # also sources that share no word with the reply (AppConfig.sources)
         self.store = store
         self.sampling = sampling
         self.pool = pool
@@ -98,7 +100,7 @@ class TurnRunner:
                 cancel.set()
             turn.read_share, turn.spotlight = meter.share(), not self.engine.decodes_densely
             if tracker is not None and turn.text:
-                turn.sources = tracker.sources() or None
+                turn.sources = tracker.sources(None if self.all_sources else turn.text) or None
             full, pending = (self._commit_aside(plan, turn, context, prompt) if plan.prefix_only
                              else self._commit(plan, turn, context, cancel))
         turn.notices += self.sync.write(plan.session_id, full, pending)

@@ -16,7 +16,8 @@ NEW_TOKENS = 5
 
 def reply(tmp_path, engine, text, document=None):
     """(service, final Turn, prompt length) of one reply on a new conversation."""
-    config = AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=NEW_TOKENS), system_prompt="Be brief.")
+    config = AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=NEW_TOKENS), system_prompt="Be brief.",
+                       sources="all")  # every tallied source, related to the tiny model's bytes or not
     service = ChatService(config, _engine=engine)
     session = service.create()
     if document:

@@ -7,7 +7,7 @@ from chat.config import AppConfig
 from chat.documents import ingest, segment_document
 from chat.render import AttachedDocument, Conversation, Renderer
 from chat.service import ChatService
-from chat.sources import SourceTracker
+from chat.sources import SourceTracker, likely_right, related, salient_words
 from spotlight.testing import tiny_engine
 from files import make_docx, make_pdf
 from spotlight.config import SamplingConfig
@@ -50,7 +50,8 @@ def test_constructed_attention_picks_the_planted_sentence():
 
 def test_reply_over_a_document_carries_sources_and_keeps_them(tmp_path):
     """The whole path with the tiny engine: dense tally, sources on the turn and in the stats."""
-    config = AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=4), system_prompt="Be brief.")
+    config = AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=4), system_prompt="Be brief.",
+                       sources="all")  # the tiny model's bytes share no word with any passage
     engine = tiny_engine(seed=2)
     service = ChatService(config, _engine=engine)
     session = service.create()
@@ -71,7 +72,8 @@ def test_reply_without_documents_has_no_sources(tmp_path):
 
 
 def test_spotlight_selections_are_tallied(tmp_path):
-    config = AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=4), system_prompt="Be brief.")
+    config = AppConfig(home=tmp_path, sampling=SamplingConfig(max_new_tokens=4), system_prompt="Be brief.",
+                       sources="all")
     engine = tiny_engine(seed=2, spotlight=True)
     service = ChatService(config, _engine=engine)
     session = service.create()
@@ -121,3 +123,37 @@ def test_a_docx_source_names_the_heading_of_the_planted_fact(engine, tmp_path):
     assert final.sources, final.text
     assert (final.sources[0].heading, final.sources[0].quote) == ("Farm manual › Security", PAGE_FACT), (
         final.text, final.sources)
+
+
+def test_salient_words_are_names_numbers_and_long_uncommon_words():
+    assert salient_words("In 1869 Tolstoy wrote about the war; the author's first novel, 2,500 pages.") == {
+        "1869", "tolstoy", "author", "novel", "2,500", "pages"}
+
+
+@pytest.mark.parametrize("quote, reply, expected", [
+    ("The secret password for the vault is PURPLE-ELEPHANT-42.", "The password is PURPLE-ELEPHANT-42.", True),
+    ("The old bridge was rebuilt in stone after a flood.", "The password is PURPLE-ELEPHANT-42.", False),
+    ("Children attend a small school near the church.", "The vault opens at 42 minutes past.", False),
+    ("It was built in 1901 by the river.", "It was built in 1901.", True),
+    ("There were three of them, after all.", "There were three of them.", False),
+])
+def test_a_quote_is_related_to_a_reply_only_through_a_salient_word(quote, reply, expected):
+    assert related(quote, reply) is expected
+
+
+def test_only_sources_related_to_the_reply_are_shown():
+    """Of the three top-attended segments, the one quoting the answer stays; the filler goes."""
+    engine = tiny_engine(seed=2)
+    text = planted_document()
+    document = AttachedDocument("d", "village.txt", text,
+                                tuple(segment_document(Document("village.txt", "txt", text), engine.count_tokens)))
+    conversation = Conversation("Be brief.", (document,), (("user", "Password?"),))
+    rendering = Renderer(engine).prompt(conversation)
+    tracker = SourceTracker.for_rendering(conversation, rendering)
+    start = rendering.token_at(0, text.index("PURPLE-ELEPHANT-42"))
+    mass = np.full(tracker.observer.mass.shape, 0.001)
+    mass[start : start + 18] = 1.0
+    ranked = tracker.rank(mass)
+    assert ([s.quote for s in likely_right(ranked, "It is PURPLE-ELEPHANT-42.")], len(ranked),
+            likely_right(ranked, "I do not know.")) == (
+        ["The secret password for the vault is PURPLE-ELEPHANT-42."], 3, [])
