@@ -23,6 +23,7 @@ from . import loading
 from .errors import SpotlightError
 from .packaged import MODELS, PackagedModel, PackagedModelMissing, part_paths
 
+DEFAULT_MODEL = loading.DEFAULT_MODEL  # what runs when no model is named
 KINDS = ("packaged", "gguf", "hf")
 TRAINED, UNTRAINED = "trained", "untrained"
 
@@ -44,6 +45,11 @@ class InstalledModel:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
         if self.encoders not in (TRAINED, UNTRAINED):
             raise ValueError(f"encoders must be {TRAINED!r} or {UNTRAINED!r}; got {self.encoders!r}")
+
+
+def packaged_model_names() -> tuple[str, ...]:
+    """The names `--model` takes for packaged models (installed or not), the default first."""
+    return tuple(MODELS)
 
 
 def installed_models(home: Path, bits: int, *, packages_dir: str | None = None,
