@@ -716,12 +716,24 @@ class Event(NamedTuple):
     options: dict
 
 
+def model_events(c: Components, h: Handlers) -> list[Event]:
+    """The Models group's events: listed when the page opens and again after Apply (queued after
+    it on the engine's queue, so it marks the model now in use); a choice fills in the model path."""
+    group, private = c.models, {"api_visibility": "private"}
+    listing = [group.table, group.choice]
+    return [
+        Event([c.demo.load], h.models_view, [], listing, {"show_progress": "hidden", **private}),
+        Event([c.apply_btn.click], h.models_view, [], listing, {**ENGINE, "show_progress": "hidden", **private}),
+        Event([group.choice.input], h.choose_model, [group.choice], [c.settings[0]], {"queue": False, **private}),
+    ]
+
+
 def events(c: Components, h: Handlers) -> list[Event]:
     """The events table. Every event that uses the model shares concurrency_id "engine"."""
     view, reply = c.view(), c.reply()
     streaming = {**STREAMING, "show_progress_on": [c.status]}  # queue position and timer, under the chat
     private = {"api_visibility": "private"}
-    return [
+    return model_events(c, h) + [
         Event([c.demo.load], h.open_initial, [], view, {}),
         Event([c.timer.tick], h.poll, [c.session, c.seen], view, {"show_progress": "hidden", **private}),
         Event([c.new_btn.click, c.chat.clear], h.new_session, [], view, {"api_name": "new_session"}),
@@ -764,22 +776,10 @@ def events(c: Components, h: Handlers) -> list[Event]:
     ]
 
 
-def model_events(c: Components, h: Handlers) -> list[Event]:
-    """The Models group's events: listed when the page opens and again after Apply (queued after
-    it on the engine's queue, so it marks the model now in use); a choice fills in the model path."""
-    group, private = c.models, {"api_visibility": "private"}
-    listing = [group.table, group.choice]
-    return [
-        Event([c.demo.load], h.models_view, [], listing, {"show_progress": "hidden", **private}),
-        Event([c.apply_btn.click], h.models_view, [], listing, {**ENGINE, "show_progress": "hidden", **private}),
-        Event([group.choice.input], h.choose_model, [group.choice], [c.settings[0]], {"queue": False, **private}),
-    ]
-
-
 def wire(c: Components, h: Handlers) -> None:
     """Attach every event of the table, the history API, and the tab-closed hook (inside the
     Blocks being built)."""
-    for triggers, handler, inputs, outputs, options in events(c, h) + model_events(c, h):
+    for triggers, handler, inputs, outputs, options in events(c, h):
         gr.on(triggers, adapted(handler, outputs, [c.status, c.settings_note]), inputs, outputs, **options)
     gr.api(h.history_api, api_name="history")
     c.demo.unload(h.tab_closed)
