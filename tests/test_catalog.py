@@ -57,6 +57,9 @@ def test_the_models_folder_lists_packaged_models_then_the_users_files(tmp_path):
     gguf = write_tiny_gguf(folder / "Tiny-Llama.gguf", "llama", window=2048)
     hf = write_tiny_hf_dir(folder / "tiny-qwen", "qwen2")
     other = write_tiny_gguf(folder / "gpt.gguf", "gpt2", window=1024)
+    (folder / "gpt2-dir").mkdir()
+    gpt2_config = '{"model_type": "gpt2", "n_positions": 1024}'
+    (folder / "gpt2-dir" / "config.json").write_text(gpt2_config)
     (folder / "notes.txt").write_text("not a model")
     (folder / "SmolLM2-b179c9523d0e").mkdir()  # an old conversion of ours: config.json + fingerprint.txt
     (folder / "SmolLM2-b179c9523d0e" / "config.json").write_text("{}")
@@ -72,6 +75,9 @@ def test_the_models_folder_lists_packaged_models_then_the_users_files(tmp_path):
         InstalledModel("fake-coder-1b", "fake-coder-1b", "packaged", 4096, fake.size, "untrained"),
         InstalledModel("gpt.gguf", str(other), "gguf", None, other.stat().st_size, "untrained",
                        f"GGUF architecture 'gpt2' of {str(other)!r} is not supported; supported: llama, qwen2, mistral"),
+        InstalledModel("gpt2-dir", str(folder / "gpt2-dir"), "hf", None, len(gpt2_config), "untrained",
+                       f"architecture 'gpt2' in {folder / 'gpt2-dir' / 'config.json'} is not supported; supported: "
+                       "llama, qwen2, mistral"),
         InstalledModel("Tiny-Llama.gguf", str(gguf), "gguf", 2048, gguf.stat().st_size, "untrained"),
         InstalledModel("tiny-qwen", str(hf), "hf", HF_WINDOW, sum(p.stat().st_size for p in hf.iterdir()), "trained"),
     ]
