@@ -655,8 +655,8 @@ class Handlers:
             return ui.NOTHING_CHANGED
         self._service.replace(service.reconfigured(config))  # a model that fails to load raises ModelUnavailable
         self.service.save_settings(ui.settings_values(form))  # kept for the next start
-        warnings = self.service.warnings()  # e.g. untrained Spotlight encoders for the model just loaded
-        toast(list(warnings), [])
+        warnings = ui.load_warnings(service.config, config, self.service.warnings())  # e.g. untrained encoders
+        toast(warnings, [])
         return ui.settings_note(notes + ui.warning_notes(warnings))
 
     # ------------------------------------------------------------------ models

@@ -575,8 +575,15 @@ def model_choice(models: list[InstalledModel], current: str | None) -> str | Non
     return in_use if any(ref == in_use for _, ref in model_choices(models)) else None
 
 
-def warning_notes(warnings: tuple[str, ...]) -> list[str]:
-    """The engine's warnings (e.g. untrained Spotlight encoders) as notes under the settings."""
+def load_warnings(before: AppConfig, after: AppConfig, warnings: tuple[str, ...]) -> list[str]:
+    """The engine's warnings (e.g. untrained Spotlight encoders) to show after Apply: only when
+    it changed the model or Spotlight (a new temperature does not repeat them)."""
+    changed = before.engine != after.engine or before.spotlight != after.spotlight
+    return list(warnings) if changed else []
+
+
+def warning_notes(warnings: list[str]) -> list[str]:
+    """Warnings as notes under the settings."""
     return [f"**Note:** {text[0].upper()}{text[1:]}." for text in warnings]
 
 

@@ -121,26 +121,33 @@ def resolve(model_path: str | None, home: Path, fp32_weights: bool = True, *, lo
 
 
 def gguf_facts(path: Path, home: Path) -> dict:
-    """{"arch": ..., "window": ...} from a GGUF's metadata, remembered while the file is unchanged.
-    Raises CorruptModel for a file gguf's reader cannot parse (cut short, damaged, not a GGUF)."""
-    return file_stamps(home).get(path, "gguf", read_gguf_facts)
+    """{"arch": ..., "window": ...} from a GGUF's metadata, remembered while the file is unchanged
+    (an unreadable file's reason too, so a listing does not parse it again). Raises CorruptModel
+    for a file gguf's reader cannot parse (cut short, damaged, not a GGUF)."""
+    try:
+        facts = file_stamps(home).get(path, "gguf", read_gguf_facts)
+    except OSError as exc:  # not remembered: fixing the permissions must not need a new mtime
+        raise ModelNotFound(f"cannot read {str(path)!r} ({exc.strerror or exc}); check its permissions") from exc
+    if "unreadable" in facts:
+        raise CorruptModel(
+            f"cannot read the GGUF file {str(path)!r} ({facts['unreadable']}): it is damaged, cut short "
+            f"(an interrupted download or copy?) or not a GGUF; copy it again from where you got it")
+    return facts
 
 
 def read_gguf_facts(path: Path) -> dict:
     """The architecture and context window in a GGUF's metadata, read by gguf's reader (which
-    maps the file and checks every tensor's extent; no tensor is loaded or converted)."""
+    maps the file and checks every tensor's extent; no tensor is loaded or converted), or
+    {"unreadable": why} when the reader cannot parse it."""
     import gguf
 
     try:
         fields = gguf.GGUFReader(path).fields
         arch = fields["general.architecture"].contents()
-    except (ValueError, IndexError, KeyError, OSError) as exc:
-        raise CorruptModel(
-            f"cannot read the GGUF file {str(path)!r} ({exc or type(exc).__name__}): it is damaged, cut short "
-            f"(an interrupted download or copy?) or not a GGUF; copy it again from where you got it"
-        ) from exc
-    window = fields.get(f"{arch}.context_length")
-    return {"arch": arch, "window": int(window.contents()) if window is not None else None}
+        window = fields.get(f"{arch}.context_length")
+        return {"arch": arch, "window": int(window.contents()) if window is not None else None}
+    except (ValueError, IndexError, KeyError) as exc:
+        return {"unreadable": str(exc) or type(exc).__name__}
 
 
 def check_gguf_architecture(path: Path, facts: dict) -> None:

@@ -167,6 +167,8 @@ def test_settings_models_group_lists_the_folder_and_notes_untrained_codes_after_
             "less precisely; train them with `python -m spotlight.train`.")
         table, choice = handlers.models_view()
         assert choice.value == str(hf) and f'<td title="{hf}">tiny-llama <b>(in use)</b></td>' in table
+        note = handlers.apply_settings(*dataclasses.astuple(replace(form, temperature=0.5)))  # same model: no repeat
+        assert note == "Settings applied.\n\n**Sampling changed:** applies from the next reply; cached context is kept."
     finally:
         handlers.service.close()
 
