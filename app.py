@@ -47,6 +47,7 @@ STREAM_EVERY = 0.08  # seconds between UI updates while streaming (~12 Hz: long 
 ENGINE = {"concurrency_id": "engine", "concurrency_limit": 1}  # one model, one queue for all its events
 STREAMING = {**ENGINE, "show_progress": "minimal"}  # plus show_progress_on the status line: no overlay
 PASSWORD_ENV = "SPOTLIGHT_PASSWORD"
+PACKAGES_ENV = "SPOTLIGHT_PACKAGES"  # a folder of packaged models' package folders (EngineConfig.packages_dir)
 API_KEY_ENV = "SPOTLIGHT_API_KEY"
 # Local font stacks only: the default theme fonts come from Google Fonts, and nothing may leave this machine.
 THEME = gr.themes.Soft(font=("ui-sans-serif", "system-ui", "sans-serif"),
@@ -286,6 +287,7 @@ class Components:
     settings: tuple  # one input per field of ui.SettingsForm, in its order
     apply_btn: gr.Button
     settings_note: gr.Markdown
+    models: "ModelsGroup"  # the Settings tab's Models group
 
     def view(self) -> list:
         """The outputs of an event that returns a `View`, in its field order."""
@@ -294,6 +296,24 @@ class Components:
     def reply(self) -> list:
         """The outputs of an event that returns a `Reply`: the view's, then the message box."""
         return self.view() + [self.msg]
+
+
+class ModelsGroup(NamedTuple):
+    """The Settings tab's Models group: what is installed, and a choice that fills in the model path."""
+
+    table: gr.HTML
+    choice: gr.Dropdown
+
+
+def models_group(config: AppConfig) -> ModelsGroup:
+    """The Models group (inside the Settings tab being built); filled in by the page's load event."""
+    with gr.Group(elem_id="models-group"):
+        gr.Markdown("### Models")
+        table = gr.HTML(elem_id="models-table")
+        choice = gr.Dropdown(choices=[], value=None, label="Installed models", elem_id="model-choice",
+                             info="Choosing one fills in the model path below; Apply settings loads it.")
+        gr.Markdown(ui.models_hint(config), elem_id="models-hint")
+    return ModelsGroup(table, choice)
 
 
 def layout(demo: gr.Blocks, config: AppConfig) -> Components:
@@ -350,9 +370,11 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
         edit_text = gr.Textbox(visible=False)
         edit_btn = gr.Button(visible=False)
     with gr.Tab("Settings"):
+        models = models_group(config)
         settings = (
-            gr.Textbox(form.model_path, label="Model path", placeholder="empty: the bundled SmolLM2-135M-Instruct",
-                       info="A .gguf file or a Hugging Face directory (Llama, Qwen2, Mistral). Weights (--weights): "
+            gr.Textbox(form.model_path, label="Model path", placeholder="empty: the packaged smollm2-135m-instruct",
+                       info="A packaged model's name, a .gguf file or a Hugging Face directory (Llama, Qwen2, "
+                            "Mistral); the Models list above fills it in. Weights (--weights): "
                             + WEIGHTS_HELP + ". --quantize " + QUANTIZE_HELP + "."),
             gr.Slider(0.0, 2.0, form.temperature, step=0.05, label="Temperature (0 = greedy)"),
             gr.Slider(0.05, 1.0, form.top_p, step=0.05, label="Top-p"),
@@ -376,6 +398,7 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
         undo_btn=undo_btn, continue_btn=continue_btn,
         versions=versions, older_btn=older_btn, newer_btn=newer_btn, edit_id=edit_id, edit_text=edit_text,
         edit_btn=edit_btn, settings=settings, apply_btn=apply_btn, settings_note=settings_note,
+        models=models,
     )
 
 
@@ -632,7 +655,22 @@ class Handlers:
             return ui.NOTHING_CHANGED
         self._service.replace(service.reconfigured(config))  # a model that fails to load raises ModelUnavailable
         self.service.save_settings(ui.settings_values(form))  # kept for the next start
-        return ui.settings_note(notes)
+        warnings = ui.load_warnings(service.config, config, self.service.warnings())  # e.g. untrained encoders
+        toast(warnings, [])
+        return ui.settings_note(notes + ui.warning_notes(warnings))
+
+    # ------------------------------------------------------------------ models
+
+    def models_view(self) -> tuple[str, gr.Dropdown]:
+        """The installed models' table and the model dropdown (Settings -> Models)."""
+        service = self.service
+        models, current = service.installed_models(), service.config.engine.model_path
+        return (ui.models_table_html(models, current),
+                gr.Dropdown(choices=ui.model_choices(models), value=ui.model_choice(models, current)))
+
+    def choose_model(self, ref: str | None) -> str:
+        """The model path box's new value for a model chosen in the dropdown."""
+        return ref or ""
 
     def history_api(self, session_id: str) -> list[dict]:
         """The visible conversation with message ids and turn stats (API only)."""
@@ -678,12 +716,24 @@ class Event(NamedTuple):
     options: dict
 
 
+def model_events(c: Components, h: Handlers) -> list[Event]:
+    """The Models group's events: listed when the page opens and again after Apply (queued after
+    it on the engine's queue, so it marks the model now in use); a choice fills in the model path."""
+    group, private = c.models, {"api_visibility": "private"}
+    listing = [group.table, group.choice]
+    return [
+        Event([c.demo.load], h.models_view, [], listing, {"show_progress": "hidden", **private}),
+        Event([c.apply_btn.click], h.models_view, [], listing, {**ENGINE, "show_progress": "hidden", **private}),
+        Event([group.choice.input], h.choose_model, [group.choice], [c.settings[0]], {"queue": False, **private}),
+    ]
+
+
 def events(c: Components, h: Handlers) -> list[Event]:
     """The events table. Every event that uses the model shares concurrency_id "engine"."""
     view, reply = c.view(), c.reply()
     streaming = {**STREAMING, "show_progress_on": [c.status]}  # queue position and timer, under the chat
     private = {"api_visibility": "private"}
-    return [
+    return model_events(c, h) + [
         Event([c.demo.load], h.open_initial, [], view, {}),
         Event([c.timer.tick], h.poll, [c.session, c.seen], view, {"show_progress": "hidden", **private}),
         Event([c.new_btn.click, c.chat.clear], h.new_session, [], view, {"api_name": "new_session"}),
@@ -805,7 +855,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Start the Spotlight Chat web app (offline, local).")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
+    p.add_argument("--model", default=None, metavar="NAME|PATH",
+                   help=ui.model_help())
     p.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights, help=WEIGHTS_HELP)
     p.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest reply in tokens (default: 256)")
@@ -831,7 +882,8 @@ def startup_config(args, saved: dict) -> AppConfig:
     (`saved`, ChatService.saved_settings), and what the command line names over those.
     ValueError for an impossible upload limit."""
     uploads = UploadLimits(max_bytes=round(args.max_upload_mb * MB), max_tokens=args.max_document_tokens)
-    config = ui.saved_config(AppConfig(engine=EngineConfig(weights=args.weights, quantize=args.quantize),
+    engine = EngineConfig(weights=args.weights, quantize=args.quantize, packages_dir=os.environ.get(PACKAGES_ENV))
+    config = ui.saved_config(AppConfig(engine=engine,
                                        host=args.host, port=args.port, uploads=uploads),
                              saved)
     if args.model is not None:

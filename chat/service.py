@@ -159,6 +159,14 @@ class ChatService:
         """Things the UI should show once (e.g. untrained Spotlight encoders)."""
         return tuple(self.engine.warnings)
 
+    def installed_models(self) -> list:
+        """The models this machine can run (`spotlight.installed_models`: the packaged ones that are
+        installed, then what is in `<home>/models`), labelled for the configured Spotlight code width."""
+        from spotlight import installed_models
+
+        return installed_models(self.config.home, self.config.spotlight.bits,
+                                packages_dir=self.config.engine.packages_dir)
+
     def count_tokens(self, text: str) -> int:
         """How many tokens the model's tokenizer makes of `text` (loads the model on first use)."""
         return self.engine.count_tokens(text)

@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from .config import AppConfig
+from .config import MB, AppConfig
+from spotlight import DEFAULT_MODEL, InstalledModel, packaged_model_names
 from spotlight.config import EngineConfig, SamplingConfig, SpotlightConfig
 
 from .errors import ConversationTooLong
@@ -468,7 +469,7 @@ def settings_form(config: AppConfig) -> SettingsForm:
 def apply_settings(config: AppConfig, form: SettingsForm) -> tuple[AppConfig, list[str]]:
     """The config the form asks for, and a note per change about what it invalidates.
     Raises ValueError (from the config dataclasses) for out-of-range values."""
-    engine: EngineConfig = replace(config.engine, model_path=form.model_path.strip() or None)
+    engine: EngineConfig = replace(config.engine, model_path=model_path(form.model_path))
     sampling: SamplingConfig = replace(
         config.sampling, temperature=float(form.temperature), top_p=float(form.top_p),
         max_new_tokens=int(form.max_new_tokens), repetition_penalty=float(form.repetition_penalty),
@@ -516,6 +517,74 @@ def saved_config(config: AppConfig, saved: dict) -> AppConfig:
 def settings_note(notes: list[str]) -> str:
     """The note under the settings after a change was applied."""
     return "\n\n".join(["Settings applied."] + notes)
+
+
+# ----------------------------------------------------------------------------- models (Settings -> Models)
+
+MODEL_HINT = ("**Your own models:** put GGUF files or Hugging Face directories (config.json + *.safetensors) of "
+              "Llama, Qwen2 or Mistral models in `{folder}`; they are listed here (the list is read when the page "
+              "opens and after Apply). A model without trained Spotlight encoders runs with untrained codes.")
+
+
+def model_path(text: str) -> str | None:
+    """EngineConfig.model_path for what the Model path box says: None for empty or the default's name."""
+    text = text.strip()
+    return None if text in ("", DEFAULT_MODEL) else text
+
+
+def model_help() -> str:
+    """--model's help text."""
+    return (f"a packaged model's name ({', '.join(packaged_model_names())}), a GGUF file or a Hugging Face "
+            f"directory; the Settings tab lists what is installed (default: {DEFAULT_MODEL})")
+
+
+def models_hint(config: AppConfig) -> str:
+    return MODEL_HINT.format(folder=config.home / "models")
+
+
+def _size_text(size_bytes: int) -> str:
+    mb = size_bytes / MB
+    return f"{mb:.1f} MB" if mb < 10 else f"{mb:,.0f} MB"
+
+
+def models_table_html(models: list[InstalledModel], current: str | None) -> str:
+    """The installed models as an HTML table (name, window, size, Spotlight encoders, problem);
+    `current` (EngineConfig.model_path) marks the row in use."""
+    in_use = current or DEFAULT_MODEL
+    rows = []
+    for m in models:
+        name = html.escape(m.name) + (" <b>(in use)</b>" if m.ref == in_use else "")
+        window = f"{m.window:,} tokens" if m.window else "unknown"
+        encoders = "trained" if m.encoders == "trained" else "untrained codes"
+        rows.append(f"<tr><td title=\"{html.escape(m.ref)}\">{name}</td><td>{m.kind}</td><td>{window}</td>"
+                    f"<td>{_size_text(m.size_bytes)}</td><td>{encoders}</td><td>{html.escape(m.problem)}</td></tr>")
+    head = ("<tr><th>Model</th><th>Kind</th><th>Window</th><th>Size</th><th>Spotlight encoders</th>"
+            "<th>Problem</th></tr>")
+    body = "".join(rows) or '<tr><td colspan="6">No model installed.</td></tr>'
+    return f'<table class="models"><thead>{head}</thead><tbody>{body}</tbody></table>'
+
+
+def model_choices(models: list[InstalledModel]) -> list[tuple[str, str]]:
+    """(label, --model value) of each usable installed model, for the model dropdown."""
+    return [(f"{m.name} · {m.window:,} tokens" if m.window else m.name, m.ref) for m in models if not m.problem]
+
+
+def model_choice(models: list[InstalledModel], current: str | None) -> str | None:
+    """The dropdown's value: the model in use when it is listed, else none."""
+    in_use = current or DEFAULT_MODEL
+    return in_use if any(ref == in_use for _, ref in model_choices(models)) else None
+
+
+def load_warnings(before: AppConfig, after: AppConfig, warnings: tuple[str, ...]) -> list[str]:
+    """The engine's warnings (e.g. untrained Spotlight encoders) to show after Apply: only when
+    it changed the model or Spotlight (a new temperature does not repeat them)."""
+    changed = before.engine != after.engine or before.spotlight != after.spotlight
+    return list(warnings) if changed else []
+
+
+def warning_notes(warnings: list[str]) -> list[str]:
+    """Warnings as notes under the settings."""
+    return [f"**Note:** {text[0].upper()}{text[1:]}." for text in warnings]
 
 
 # ----------------------------------------------------------------------------- uploads

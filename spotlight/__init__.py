@@ -3,6 +3,7 @@
 The front door for code outside this package:
 
     from spotlight import Engine, Context, KVRows, Fingerprints, ReadMeter, AttentionTally, Step, Stats
+    from spotlight import installed_models, InstalledModel, packaged_model_names, DEFAULT_MODEL  # models
 
 with configurations from `spotlight.config` and errors from `spotlight.errors`. Kept
 import-light: these names (and torch, transformers) load on first use.
@@ -16,6 +17,8 @@ _EXPORTS = {
     "Context": "generate", "Step": "generate", "Stats": "generate",
     "KVRows": "cache",
     "ReadMeter": "observers", "AttentionTally": "observers", "StepObserver": "observers",
+    "installed_models": "catalog", "InstalledModel": "catalog", "packaged_model_names": "catalog",
+    "DEFAULT_MODEL": "catalog",
 }
 
 __all__ = sorted(_EXPORTS)

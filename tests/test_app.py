@@ -79,7 +79,7 @@ def test_every_model_bound_event_shares_the_engine_queue(ui_parts):
     components, handlers, table = ui_parts
     engine_bound = {h.__name__ for _, h, _, _, options in table if options.get("concurrency_id") == "engine"}
     assert engine_bound == {"upload", "send", "summarize", "regenerate", "edit", "edit_in_chat", "undo",
-                            "older_version", "newer_version", "apply_settings", "refresh"}
+                            "older_version", "newer_version", "apply_settings", "refresh", "models_view"}
     assert all(options["concurrency_limit"] == 1 for *_, options in table if "concurrency_id" in options)
 
 
@@ -135,6 +135,42 @@ def test_settings_apply_swaps_the_service_in_its_holder(ui_parts):
     assert note == "Settings applied.\n\n**Sampling changed:** applies from the next reply; cached context is kept."
     assert handlers.service is not before and handlers.service.config.sampling.temperature == 0.5
     assert handlers.service.saved_settings() == ui.settings_values(replace(form, temperature=0.5))  # issue #19 item 9
+
+
+def test_settings_models_group_lists_the_folder_and_notes_untrained_codes_after_apply(tmp_path):
+    """Issue #22: the Models group lists a tiny model the test put in the models folder; choosing it
+    fills in the model path, and applying it says Spotlight uses untrained codes."""
+    from spotlight.config import EngineConfig
+    from tiny_models import write_tiny_hf_dir
+
+    home = tmp_path / "home"
+    hf = write_tiny_hf_dir(home / "models" / "tiny-llama", "llama")
+    size = sum(p.stat().st_size for p in hf.iterdir()) / 1e6
+    spotlight = SpotlightConfig(bits=64, dense_layers=(0,), dense_below=8, k_min=4, window=4)
+    config = AppConfig(home=home, engine=EngineConfig(packages_dir=str(tmp_path / "no-packages")), spotlight=spotlight)
+    handlers = Handlers(ServiceRef(ChatService(config, _engine=echo_engine())))
+    try:
+        table, choice = handlers.models_view()
+        assert table == (
+            '<table class="models"><thead><tr><th>Model</th><th>Kind</th><th>Window</th><th>Size</th>'
+            '<th>Spotlight encoders</th><th>Problem</th></tr></thead><tbody>'
+            f'<tr><td title="{hf}">tiny-llama</td><td>hf</td><td>512 tokens</td><td>{size:.1f} MB</td>'
+            '<td>untrained codes</td><td></td></tr></tbody></table>')
+        assert (choice.choices, choice.value) == ([("tiny-llama · 512 tokens", str(hf))], None)
+        assert handlers.choose_model(str(hf)) == str(hf)
+        form = replace(ui.settings_form(config), model_path=handlers.choose_model(str(hf)))
+        note = handlers.apply_settings(*dataclasses.astuple(form))
+        assert note == (
+            "Settings applied.\n\n**Model changed:** caches computed with the old model are not reused; each "
+            "conversation is read again on its next message (its messages are kept).\n\n**Note:** No trained "
+            "Spotlight encoders for this model at 64 bits: using untrained (identity-like) codes, which retrieve "
+            "less precisely; train them with `python -m spotlight.train`.")
+        table, choice = handlers.models_view()
+        assert choice.value == str(hf) and f'<td title="{hf}">tiny-llama <b>(in use)</b></td>' in table
+        note = handlers.apply_settings(*dataclasses.astuple(replace(form, temperature=0.5)))  # same model: no repeat
+        assert note == "Settings applied.\n\n**Sampling changed:** applies from the next reply; cached context is kept."
+    finally:
+        handlers.service.close()
 
 
 def test_saved_settings_apply_at_start_under_the_command_line():

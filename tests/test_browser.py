@@ -422,6 +422,41 @@ def test_settings_are_kept_across_a_restart(page, tmp_path):
             os.environ.pop("GRADIO_TEMP_DIR", None)
         else:
             os.environ["GRADIO_TEMP_DIR"] = gradio_dir
+def test_settings_lists_the_models_folder_and_a_choice_fills_in_the_path(page, tmp_path, shots):
+    """Issue #22: a tiny GGUF the test put in <home>/models is a row of the Models table; choosing it
+    in the dropdown fills in the model path that Apply loads."""
+    import app
+    from chat.config import AppConfig, EngineConfig
+    from chat.service import ChatService
+    from fakes import echo_engine
+    from tiny_models import write_tiny_gguf
+
+    home, gradio_dir = tmp_path / "home", os.environ.get("GRADIO_TEMP_DIR")
+    gguf = write_tiny_gguf(home / "models" / "tiny-llama.gguf", "llama", window=2048)
+    config = AppConfig(home=home, engine=EngineConfig(packages_dir=str(tmp_path / "no-packages")))
+    service = ChatService(config, _engine=echo_engine())
+    try:
+        demo = app.serve(service, port=free_port(), prevent_thread_lock=True, quiet=True)
+        open_app(page, demo.local_url)
+        page.get_by_role("tab", name="Settings").click()
+        rows = page.locator("#models-table tbody tr")
+        expect(rows).to_have_count(1)
+        expect(rows.first.locator("td")).to_have_text(["tiny-llama.gguf", "gguf", "2,048 tokens", "0.0 MB",
+                                                       "untrained codes", ""])
+        expect(page.locator("#models-hint")).to_contain_text(str(home / "models"))
+        page.locator("#model-choice input").click()
+        page.get_by_role("option", name="tiny-llama.gguf · 2,048 tokens").click()
+        expect(page.get_by_label("Model path")).to_have_value(str(gguf))
+        shot(page, shots, "settings-models.png")
+        demo.close()
+    finally:
+        service.close()
+        if gradio_dir is None:  # the module's other app keeps its own temporary folder
+            os.environ.pop("GRADIO_TEMP_DIR", None)
+        else:
+            os.environ["GRADIO_TEMP_DIR"] = gradio_dir
+
+
 # ----------------------------------------------------------------------------- issue #19: tabs, crashes, windows
 
 

@@ -284,6 +284,7 @@ def test_front_door_exports():
     import spotlight
 
     assert spotlight.__all__ == sorted(["AttentionTally", "Context", "Engine", "Fingerprints", "KVRows", "ReadMeter",
-                                        "Stats", "Step", "StepObserver"])
+                                        "Stats", "Step", "StepObserver",
+                                        "DEFAULT_MODEL", "InstalledModel", "installed_models", "packaged_model_names"])
     with pytest.raises(AttributeError, match="no attribute 'Policy'"):
         spotlight.Policy

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import ROOT, TEST_HOME, tiny_hf_config
 from spotlight import loading
-from spotlight.errors import HomeNotWritable, ModelNotFound, UnsupportedModel
+from spotlight.errors import CorruptModel, HomeNotWritable, ModelNotFound, UnsupportedModel
+from tiny_models import write_tiny_gguf
 
 
 def test_missing_model_path(tmp_path):
@@ -33,16 +34,21 @@ def test_neither_gguf_nor_directory(tmp_path):
         loading.resolve(str(path), tmp_path)
 
 
-def test_corrupt_gguf_leaves_nothing_half_written(tmp_path):
+def test_unreadable_gguf_is_refused_before_anything_is_written(tmp_path):
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"GGUF" + b"\x07" * 100)
     home = tmp_path / "home"
-    with pytest.raises(UnsupportedModel, match="cannot load GGUF"):
+    with pytest.raises(CorruptModel, match="cannot read the GGUF file .*copy it again from where you got it"):
         loading.resolve(str(gguf), home)
-    assert list((home / "models").iterdir()) == []
-    with pytest.raises(UnsupportedModel, match="cannot load GGUF"):  # the config-only conversion too
+    assert not (home / "cache" / "models").exists()
+
+
+def test_gguf_that_does_not_convert_leaves_nothing_half_written(tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "no-tokenizer.gguf")  # readable metadata, no tokenizer: transformers refuses
+    home = tmp_path / "home"
+    with pytest.raises(UnsupportedModel, match="cannot load GGUF"):  # the config-only conversion
         loading.resolve(str(gguf), home, fp32_weights=False)
-    assert list((home / "models").iterdir()) == []
+    assert list((home / "cache" / "models").iterdir()) == []
 
 
 def test_home_not_writable(tmp_path):
@@ -67,14 +73,14 @@ def test_local_hf_directory_loads_and_is_fingerprinted(tmp_path):
 @pytest.mark.model
 def test_default_model_is_cached_once_under_home(engine):
     """The quantized engine needs only config and tokenizer from the GGUF's directory; asking for
-    fp32 weights later adds the copy into the same directory."""
+    fp32 weights later adds the copy into the same directory (a cache, not the user's models folder)."""
     directory = engine.source.hf_dir
-    assert directory.parent == TEST_HOME / "models"
+    assert directory.parent == TEST_HOME / "cache" / "models"
     assert {"config.json", "tokenizer.json", "fingerprint.txt"} <= {p.name for p in directory.iterdir()}
     fp32 = loading.resolve(engine.source.origin, TEST_HOME)
     assert (fp32.hf_dir, fp32.fingerprint) == (directory, engine.source.fingerprint)
     assert (directory / "model.safetensors").is_file() and loading.has_fp32_weights(directory)
-    assert not list((TEST_HOME / "models").glob(".convert-*"))
+    assert not list((TEST_HOME / "cache" / "models").glob(".convert-*"))
 
 
 def cli(*args, stdin=b"", env_home=TEST_HOME):
