@@ -270,15 +270,15 @@ def main(argv=None) -> int:
     excerpts, skipped = build_excerpts(documents, questions, lengths, encode, decode)
     questions = [q for q in questions if q.document not in skipped]
     rows, answers, system_prompt = [], [], ""
+    saved = Path(args.answers or Path(args.json).with_suffix(".answers.json")) if args.answers or args.json else None
     for attention in (a.strip() for a in args.attention.split(",")):  # dense first: the reference
         for model in model_names(args.models):
             run = RunConfig(model, attention == "spotlight", lengths, args.repetition_penalty, args.framing)
             block_rows, block_answers, system_prompt = run_block(run, documents, questions, excerpts)
             rows += block_rows
             answers += block_answers
-    if args.answers or args.json:
-        path = Path(args.answers or Path(args.json).with_suffix(".answers.json"))
-        path.write_text(json.dumps(answers, indent=1, default=str))
+            if saved is not None:  # after every block, so a long run stopped early keeps what it measured
+                saved.write_text(json.dumps(answers, indent=1, default=str))
     notes = _notes(questions, skipped, system_prompt, args.repetition_penalty, excerpts)
     notes += f" Framing {args.framing!r}: {FRAMINGS[args.framing]!r}."
     finish("docqa", args, rows, compute_targets(rows, args.default), title="Document QA (choosing the default model)",
