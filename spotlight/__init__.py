@@ -3,6 +3,7 @@
 The front door for code outside this package:
 
     from spotlight import Engine, Context, KVRows, Fingerprints, ReadMeter, AttentionTally, Step, Stats
+    from spotlight import EncoderTraining, TrainingProgress, trained_encoders, encoder_dirs
 
 with configurations from `spotlight.config` and errors from `spotlight.errors`. Kept
 import-light: these names (and torch, transformers) load on first use.
@@ -16,6 +17,9 @@ _EXPORTS = {
     "Context": "generate", "Step": "generate", "Stats": "generate",
     "KVRows": "cache",
     "ReadMeter": "observers", "AttentionTally": "observers", "StepObserver": "observers",
+    # Spotlight encoders: where they are found, and training them in the background (Settings)
+    "encoder_dirs": "engine", "trained_encoders": "engine",
+    "EncoderTraining": "training", "TrainingProgress": "training",
 }
 
 __all__ = sorted(_EXPORTS)
