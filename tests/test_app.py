@@ -79,7 +79,7 @@ def test_every_model_bound_event_shares_the_engine_queue(ui_parts):
     components, handlers, table = ui_parts
     engine_bound = {h.__name__ for _, h, _, _, options in table if options.get("concurrency_id") == "engine"}
     assert engine_bound == {"upload", "send", "summarize", "regenerate", "edit", "edit_in_chat", "undo",
-                            "older_version", "newer_version", "apply_settings", "refresh"}
+                            "older_version", "newer_version", "apply_settings", "refresh", "use_trained_encoders"}
     assert all(options["concurrency_limit"] == 1 for *_, options in table if "concurrency_id" in options)
 
 
