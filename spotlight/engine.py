@@ -362,7 +362,8 @@ def find_encoders(args: ModelArgs, fingerprint: str, bits: int, path: str | None
     if found is not None:
         return load_encoders(found, model_fingerprint=fingerprint, bits=bits), []
     warning = (f"no trained Spotlight encoders for this model at {bits} bits: using untrained (identity-like) "
-               f"codes, which retrieve less precisely; train them with `python -m spotlight.train`")
+               f"codes, which retrieve less precisely; train them in Settings -> Encoders or with "
+               f"`python -m spotlight.train`")
     return Encoders(EncoderSpec.for_model(args, bits), model_fingerprint=fingerprint), [warning]
 
 

@@ -753,6 +753,8 @@ class ProgressFile:
 
     def __init__(self, path: Path | None, out: Path, every: float = 0.5):
         self.path, self.every = (Path(path) if path else None), every
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.perf_counter()
         self.fields = {"phase": "loading", "step": 0, "total": 0, "start_step": 0, "saved_step": None,
                        "done": 0, "of": 0, "elapsed": 0.0, "left": None, "out": str(out), "message": ""}
