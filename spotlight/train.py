@@ -842,7 +842,9 @@ EPILOG = """examples:
 
 The training state (every --save-every steps, after each layer group and on Ctrl-C) goes to
 $SPOTLIGHT_HOME/train-state/X.state.pt; recorded q/k are cached under $SPOTLIGHT_HOME/train-cache,
-so a resumed run skips the prefill. On a busy 2-core machine --threads 1 is the faster choice."""
+so a resumed run skips the prefill. On a busy 2-core machine --threads 1 is the faster choice.
+--progress FILE also writes machine-readable progress (JSON: phase, step, total, seconds left),
+which training from the app's Settings tab reads (spotlight/training.py)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

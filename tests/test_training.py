@@ -169,3 +169,19 @@ def test_job_names_come_from_the_model_file():
     assert job_name(None, 128) == "smollm2-135m-instruct-128b"
     assert job_name("/models/Qwen2.5-0.5B-Instruct-Q8_0.gguf", 64) == "qwen2.5-0.5b-instruct-q8-0-64b"
     assert job_name("/models/My Model/", 128) == "my-model-128b"
+
+
+def test_after_a_restart_the_job_is_found_running_by_its_pid_and_start_time(tmp_path):
+    """A job started by an earlier process: its pid counts only with the start time it had."""
+    import os
+
+    import psutil
+
+    job = EncoderTraining(tmp_path, "tiny-llama-32b")
+    job.folder.mkdir(parents=True)
+    me = psutil.Process(os.getpid())
+    job.job_path.write_text(json.dumps({"model": "tiny-llama", "bits": 32, "pid": me.pid, "started": me.create_time()}))
+    assert job.running() and job.progress().status == "running"
+    assert EncoderTraining.pending(tmp_path) == [job]
+    job.job_path.write_text(json.dumps({"model": "tiny-llama", "bits": 32, "pid": me.pid, "started": 1.0}))
+    assert not job.running() and job.progress().status == "paused"  # a reused pid is not the job's
