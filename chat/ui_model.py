@@ -612,8 +612,8 @@ def encoders_panel(status) -> EncodersPanel:
     if status.state == "paused":
         progress = status.progress
         at = f" at step {progress.saved_step:,} of {progress.total:,}" if progress.saved_step else ""
-        return EncodersPanel(f"{untrained} Training paused{at}; Resume continues from there. {TRAINING_COST}",
-                             "Resume training")
+        return EncodersPanel(f"{untrained} Training paused{at}; Resume continues from there (in the background, "
+                             "on one CPU core).", "Resume training")
     if status.state == "failed":
         return EncodersPanel(f"{untrained} Training failed: {as_text(status.progress.message)}", "Train encoders")
     return EncodersPanel(f"{untrained} {TRAINING_COST}", "Train encoders")
