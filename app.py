@@ -288,6 +288,7 @@ class Components:
     apply_btn: gr.Button
     settings_note: gr.Markdown
     models: "ModelsGroup"  # the Settings tab's Models group
+    encoders: "EncoderComponents"  # the Settings tab's Encoders group
 
     def view(self) -> list:
         """The outputs of an event that returns a `View`, in its field order."""
@@ -388,6 +389,7 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
         settings_note = gr.Markdown("Changing the model, the system prompt or turning Spotlight on or off means a "
                                     "new cache: the note after applying says what is recomputed.",
                                     elem_id="settings-note")
+        encoders = encoders_group()
     return Components(
         demo=demo, session=session, seen=seen, timer=timer, new_btn=new_btn, search=search, sessions=sessions, rename_box=rename_box,
         rename_btn=rename_btn, export_md_btn=export_md_btn, export_json_btn=export_json_btn,
@@ -398,8 +400,37 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
         undo_btn=undo_btn, continue_btn=continue_btn,
         versions=versions, older_btn=older_btn, newer_btn=newer_btn, edit_id=edit_id, edit_text=edit_text,
         edit_btn=edit_btn, settings=settings, apply_btn=apply_btn, settings_note=settings_note,
-        models=models,
+        models=models, encoders=encoders,
     )
+
+
+class EncoderComponents(NamedTuple):
+    """The Settings tab's Encoders group: the model's Spotlight encoders and their training."""
+
+    note: gr.Markdown
+    train_btn: gr.Button  # Train encoders / Resume training
+    cancel_btn: gr.Button
+    reload: gr.State  # the trained checkpoint to load now ("" when none): its change runs the reload
+
+    def outputs(self) -> list:
+        return list(self)
+
+
+def encoders_group() -> EncoderComponents:
+    """Create the Encoders group (inside the Settings tab being built); the timer fills it in."""
+    with gr.Group(elem_id="encoders"):
+        note = gr.Markdown("Spotlight encoders: …", elem_id="encoders-note")
+        with gr.Row():
+            train_btn = gr.Button("Train encoders", size="sm", visible=False, elem_id="train-encoders-btn")
+            cancel_btn = gr.Button("Cancel training", size="sm", variant="stop", visible=False,
+                                   elem_id="cancel-training-btn")
+    return EncoderComponents(note, train_btn, cancel_btn, gr.State(""))
+
+
+def encoders_view(panel: ui.EncodersPanel) -> tuple:
+    """The Encoders group's outputs for `panel`."""
+    return (panel.text, gr.Button(value=panel.train_label or "Train encoders", visible=panel.train_label is not None),
+            gr.Button(visible=panel.cancel), panel.reload)
 
 
 # ----------------------------------------------------------------------------- handlers
@@ -672,6 +703,26 @@ class Handlers:
         """The model path box's new value for a model chosen in the dropdown."""
         return ref or ""
 
+    # ------------------------------------------------------------------ Spotlight encoders (Settings)
+
+    def encoders(self) -> tuple:
+        """The Encoders group as the model's encoders and their training stand now (the timer's tick)."""
+        return encoders_view(ui.encoders_panel(self.service.encoder_status()))
+
+    def train_encoders(self) -> tuple:
+        """Start (or resume) training the model's encoders in the background."""
+        return encoders_view(ui.encoders_panel(self.service.train_encoders()))
+
+    def cancel_encoder_training(self) -> tuple:
+        """Stop the training; its state is saved for Resume."""
+        return encoders_view(ui.encoders_panel(self.service.cancel_encoder_training()))
+
+    def use_trained_encoders(self, checkpoint: str) -> tuple:
+        """Swap in a service decoding with the newly trained encoders (in the model's queue, so
+        never under a running reply); the service stays when there are none new."""
+        self._service.replace(self.service.with_trained_encoders())
+        return self.encoders()
+
     def history_api(self, session_id: str) -> list[dict]:
         """The visible conversation with message ids and turn stats (API only)."""
         return [{"id": m.id, "role": m.role, "content": m.content, "stats": m.stats,
@@ -770,9 +821,22 @@ def events(c: Components, h: Handlers) -> list[Event]:
               {**ENGINE, "api_name": "apply_settings", "show_progress": "minimal"}),
         # NOTE: queued after apply_settings in the same one-at-a-time queue, so it shows the new settings
         Event([c.apply_btn.click], h.refresh, [c.session], view, {**ENGINE, **private}),
+        *encoder_events(c, h),
         Event([c.dark_btn.click], None, [], [], {"js": DARK_JS, **private}),
         Event([c.demo.load], None, [], [], {"js": LOAD_JS, **private}),
         Event([c.sessions.change], None, [c.sessions], [], {"js": ADDRESS_JS, **private}),
+    ]
+
+
+def encoder_events(c: Components, h: Handlers) -> list[Event]:
+    """The Encoders group's events: its status at load and every tick, Train / Resume, Cancel,
+    and the reload of newly trained encoders (in the model's queue: after the running reply)."""
+    e, quiet = c.encoders, {"show_progress": "hidden", "api_visibility": "private"}
+    return [
+        Event([c.demo.load, c.timer.tick], h.encoders, [], e.outputs(), quiet),
+        Event([e.train_btn.click], h.train_encoders, [], e.outputs(), quiet),
+        Event([e.cancel_btn.click], h.cancel_encoder_training, [], e.outputs(), quiet),
+        Event([e.reload.change], h.use_trained_encoders, [e.reload], e.outputs(), {**ENGINE, **quiet}),
     ]
 
 
@@ -780,7 +844,7 @@ def wire(c: Components, h: Handlers) -> None:
     """Attach every event of the table, the history API, and the tab-closed hook (inside the
     Blocks being built)."""
     for triggers, handler, inputs, outputs, options in events(c, h):
-        gr.on(triggers, adapted(handler, outputs, [c.status, c.settings_note]), inputs, outputs, **options)
+        gr.on(triggers, adapted(handler, outputs, [c.status, c.settings_note, c.encoders.note]), inputs, outputs, **options)
     gr.api(h.history_api, api_name="history")
     c.demo.unload(h.tab_closed)
 

@@ -10,14 +10,16 @@ from pathlib import Path
 
 from memory.config import StoreConfig
 from spotlight.config import QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home
+from spotlight.config import TrainingJobConfig
 
 # Regenerate samples (a greedy rerun would repeat the reply word for word): at this temperature and
 # top-p when the configured sampling is greedy, else at the configured ones; a fresh seed each time.
 REGENERATE_TEMPERATURE = 0.7
 REGENERATE_TOP_P = 0.9
 
-__all__ = ["MB", "QUANTIZE", "SOURCES", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "WEIGHTS", "WEIGHTS_HELP",
-           "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig", "UploadLimits"]
+__all__ = ["MB", "QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE", "REGENERATE_TOP_P", "SOURCES", "WEIGHTS",
+           "WEIGHTS_HELP", "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig",
+           "TrainingJobConfig", "UploadLimits"]
 
 MB = 1000 * 1000  # bytes: the megabyte file managers show
 
@@ -58,6 +60,7 @@ class AppConfig:
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(repetition_penalty=1.1))
     spotlight: SpotlightConfig = field(default_factory=SpotlightConfig)
     uploads: UploadLimits = field(default_factory=UploadLimits)
+    training: TrainingJobConfig = field(default_factory=TrainingJobConfig)  # encoders trained from Settings
     system_prompt: str = "You are a helpful assistant. Answer from the document when one is given."
     # tokens a summary may run to (Summarize): its own request, longer than a reply (sampling.max_new_tokens)
     summary_tokens: int = 768

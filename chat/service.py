@@ -36,7 +36,7 @@ from spotlight import ReadMeter
 from spotlight.config import SamplingConfig
 from spotlight.errors import SpotlightError
 
-from . import export
+from . import encoders, export
 from .config import REGENERATE_TEMPERATURE, REGENERATE_TOP_P, AppConfig
 from .errors import (
     ChatError,
@@ -196,6 +196,35 @@ class ChatService:
                 self._store.close()
                 self._store = None
                 self._runner = None
+
+    # ------------------------------------------------------------------ Spotlight encoders (Settings)
+
+    def encoder_status(self) -> encoders.EncoderStatus:
+        """Whether the model in use decodes with trained encoders, and its training's progress
+        (chat/encoders.py). Cheap (a few small files read): the Settings tab polls it. Never
+        loads the model: "unloaded" until it is."""
+        return encoders.status(self._engine, self.config)
+
+    def train_encoders(self) -> encoders.EncoderStatus:
+        """Train the model's encoders in the background, or resume the saved training
+        (`TrainingRunning`, a ValueError saying so, when another model's runs)."""
+        return encoders.train(self.engine, self.config)
+
+    def cancel_encoder_training(self) -> encoders.EncoderStatus:
+        """Stop the training (its state is saved: `train_encoders` resumes it)."""
+        return encoders.cancel(self._engine, self.config)
+
+    def with_trained_encoders(self) -> "ChatService":
+        """A service whose engine decodes with the encoders trained since it loaded, over the same
+        store, and this one closed (call when no reply runs, as `reconfigured`); this service
+        itself when there are none new. Conversations then restore from spans under the new
+        encoder fingerprint: the old spans' keys are recomputed (chat/cachesync.py says so)."""
+        engine = self.engine.with_encoders_found()
+        if engine is self.engine:
+            return self
+        fresh = ChatService(self.config, _engine=engine, store_config=self.store_config, keep_contexts=self._pool.capacity)
+        self.close()
+        return fresh
 
     def clear_scratch(self) -> None:
         """Empty the short-lived files folder (`config.scratch_dir`: uploads, exports) at app

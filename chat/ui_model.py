@@ -11,6 +11,7 @@ within a few tokens of what the engine caches, and current even before the first
 from __future__ import annotations
 
 import html
+import math
 import re
 import time
 from collections.abc import Callable
@@ -618,3 +619,70 @@ def error_text(error: Exception) -> str:
     """A toast message for a service error (drops hints aimed at programmers)."""
     text = getattr(error, "message", None) or str(error)  # gr.Error keeps its text in .message
     return re.sub(r"\s*\((ChatService|service)\.[a-z_]+\(\)\)", "", text)
+
+
+# ----------------------------------------------------------------------------- Spotlight encoders (Settings)
+
+TRAINING_COST = ("Training runs in the background on one CPU core, at low priority: the chat stays usable, "
+                 "a little slower, while it runs (from about an hour for a small model; the time left shows "
+                 "once it has started). Cancel keeps what it learnt; Resume continues from there.")
+
+
+@dataclass(frozen=True)
+class EncodersPanel:
+    """What the Settings tab's Encoders group shows: its text, the Train button's label (None:
+    hidden), whether Cancel shows, and `reload`: the trained checkpoint the service should load
+    now ("" when there is none new; app.py runs that reload in the model's queue)."""
+
+    text: str
+    train_label: str | None = None
+    cancel: bool = False
+    reload: str = ""
+
+
+def minutes_left(seconds: float | None) -> str:
+    """"about 12 min left", "about 2 h 5 min left", "less than a minute left"; while unknown, "estimating the time left"."""
+    if seconds is None:
+        return "estimating the time left"
+    if seconds < 60:
+        return "less than a minute left"
+    minutes = math.ceil(seconds / 60)
+    if minutes < 90:
+        return f"about {minutes} min left"
+    return f"about {minutes // 60} h {minutes % 60} min left"
+
+
+def training_line(progress) -> str:
+    """A running training's progress (`spotlight.TrainingProgress`), in words."""
+    if progress.phase == "recording":
+        return (f"recording the model's attention on the training text (sequence {progress.recorded + 1} of "
+                f"{progress.sequences})…" if progress.recorded < progress.sequences else "recording done, starting…")
+    if progress.phase in ("training", "writing") and progress.total:
+        return f"step {progress.step:,} of {progress.total:,}, {minutes_left(progress.seconds_left)}"
+    return "starting (loading the model)…"
+
+
+def encoders_panel(status) -> EncodersPanel:
+    """The Encoders group for a `chat.encoders.EncoderStatus`."""
+    name = status.checkpoint.name if status.checkpoint is not None else ""
+    untrained = "Spotlight encoders: **untrained codes** (retrieval less precise)."
+    if status.state == "unloaded":
+        return EncodersPanel("Spotlight encoders: the model is not loaded yet.")
+    if status.state == "off":
+        return EncodersPanel("Spotlight encoders: not used (Spotlight attention is off).")
+    if status.state == "trained":
+        used = " They are used from the next reply." if status.trained_here else ""
+        return EncodersPanel(f"Spotlight encoders: **trained** ({as_text(name)}).{used}")
+    if status.state == "ready":
+        return EncodersPanel(f"Spotlight encoders: **trained** ({as_text(name)}). They are used from the next reply.",
+                             reload=str(status.checkpoint))
+    if status.state == "training":
+        return EncodersPanel(f"{untrained} Training them: {training_line(status.progress)}", cancel=True)
+    if status.state == "paused":
+        progress = status.progress
+        at = f" at step {progress.saved_step:,} of {progress.total:,}" if progress.saved_step else ""
+        return EncodersPanel(f"{untrained} Training paused{at}; Resume continues from there (in the background, "
+                             "on one CPU core).", "Resume training")
+    if status.state == "failed":
+        return EncodersPanel(f"{untrained} Training failed: {as_text(status.progress.message)}", "Train encoders")
+    return EncodersPanel(f"{untrained} {TRAINING_COST}", "Train encoders")

@@ -4,6 +4,7 @@ The front door for code outside this package:
 
     from spotlight import Engine, Context, KVRows, Fingerprints, ReadMeter, AttentionTally, Step, Stats
     from spotlight import installed_models, InstalledModel, packaged_model_names, DEFAULT_MODEL  # models
+    from spotlight import EncoderTraining, TrainingProgress, trained_encoders, encoder_dirs
 
 with configurations from `spotlight.config` and errors from `spotlight.errors`. Kept
 import-light: these names (and torch, transformers) load on first use.
@@ -19,6 +20,9 @@ _EXPORTS = {
     "ReadMeter": "observers", "AttentionTally": "observers", "StepObserver": "observers",
     "installed_models": "catalog", "InstalledModel": "catalog", "packaged_model_names": "catalog",
     "DEFAULT_MODEL": "catalog",
+    # Spotlight encoders: where they are found, and training them in the background (Settings)
+    "encoder_dirs": "engine", "trained_encoders": "engine",
+    "EncoderTraining": "training", "TrainingProgress": "training",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -269,3 +269,24 @@ class EngineConfig:
             raise ValueError(f"kernel_threads must be >= 1, got {self.kernel_threads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16; got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class TrainingJobConfig:
+    """How encoder training from Settings runs (spotlight/training.py): `python -m spotlight.train`
+    in a child process at lower priority on `threads` torch threads, so the chat stays responsive,
+    saving its state every `save_every` steps (Cancel saves it too). `options`: more
+    `python -m spotlight.train` options (tests pass a tiny run's); the defaults train what the
+    shipped SmolLM2 encoders were trained with. `cancel_seconds`: how long Cancel waits for the
+    child to save its state and exit before it is killed (its last saved state is kept)."""
+
+    threads: int = 1
+    nice: int = 10
+    save_every: int = 500
+    options: tuple[str, ...] = ()
+    cancel_seconds: float = 120.0
+
+    def __post_init__(self):
+        if self.threads < 1 or self.save_every < 1:
+            raise ValueError(f"training needs at least 1 thread and a state saved at least every step; got "
+                             f"threads {self.threads}, save_every {self.save_every}")

@@ -130,6 +130,26 @@ class Engine:
             encoders, warnings = encoders.to(self.config.device), tuple(found)
         return dataclasses.replace(self, policy=SpotlightDecode(spotlight, CodeSelector(encoders)), warnings=warnings)
 
+    def with_encoders_found(self) -> "Engine":
+        """This engine with its Spotlight encoders looked up again in `encoder_dirs` (a checkpoint
+        trained since it loaded, from Settings: spotlight/training.py): itself when it decodes
+        densely, uses an explicit `encoder_path`, or finds the encoders it has; else a new Engine
+        sharing model, tokenizer and buffers. This engine is left unchanged (as `with_spotlight`)."""
+        if self.spotlight is None or self.config.encoder_path is not None:
+            return self
+        encoders, warnings = find_encoders(self.args, self.fingerprint, self.spotlight.bits, None, self.encoder_dirs)
+        current = getattr(self.policy.selector, "encoders", None)  # a CodeSelector's; other selectors have none
+        if current is not None and current.fingerprint == encoders.fingerprint:
+            return self
+        policy = SpotlightDecode(self.spotlight, CodeSelector(encoders.to(self.config.device)))
+        return dataclasses.replace(self, policy=policy, warnings=tuple(warnings))
+
+    @property
+    def uses_trained_encoders(self) -> bool:
+        """Whether Spotlight decodes with trained encoders (False: untrained codes, or dense)."""
+        encoders = getattr(getattr(self.policy, "selector", None), "encoders", None)
+        return self.spotlight is not None and encoders is not None and encoders.trained
+
     def warm_up(self) -> float:
         """One short prefill + decode on a throwaway context; the seconds it took. The buffer
         pool is prefaulted first; with Spotlight the decode also runs once through the sparse path
@@ -343,7 +363,8 @@ def find_encoders(args: ModelArgs, fingerprint: str, bits: int, path: str | None
     if found is not None:
         return load_encoders(found, model_fingerprint=fingerprint, bits=bits), []
     warning = (f"no trained Spotlight encoders for this model at {bits} bits: using untrained (identity-like) "
-               f"codes, which retrieve less precisely; train them with `python -m spotlight.train`")
+               f"codes, which retrieve less precisely; train them in Settings -> Encoders or with "
+               f"`python -m spotlight.train`")
     return Encoders(EncoderSpec.for_model(args, bits), model_fingerprint=fingerprint), [warning]
 
 

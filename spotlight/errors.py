@@ -47,3 +47,7 @@ class CorpusEmpty(SpotlightError):
 
 class TooMuchMemory(SpotlightError):
     """A job would need more memory than this machine has free (it says what to lower)."""
+
+
+class TrainingRunning(SpotlightError):
+    """Encoders are being trained already (one training at a time)."""

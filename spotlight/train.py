@@ -614,9 +614,11 @@ class LayerwiseTraining:
         return self.trainer
 
     def run(self, stop_at: int | None = None, *, state_path: Path | None = None, save_every: int = 0,
-            progress: bool = False) -> History:
+            progress: bool = False, report=None) -> History:
         """Train until global step `stop_at` (default: every group), saving the state every
-        `save_every` steps and whenever a group ends; Ctrl-C saves it too."""
+        `save_every` steps and whenever a group ends; Ctrl-C saves it too. `report(step, saved)`,
+        when given, is called after every step and after a save on Ctrl-C (`saved`: the state
+        at `step` was just written)."""
         stop_at = self.total if stop_at is None else min(stop_at, self.total)
         bar = _progress_bar(self.step, self.total, "train") if progress else None
         started = time.perf_counter()
@@ -635,15 +637,20 @@ class LayerwiseTraining:
                         self.history.layer_loss[layer] = _smooth(self.history.loss)
                     trainer.write_back()
                     self.group, self.trainer = self.group + 1, None
-                if state_path is not None and ((save_every and self.step % save_every == 0) or self.trainer is None):
+                saved = state_path is not None and ((save_every and self.step % save_every == 0) or self.trainer is None)
+                if saved:
                     self.seconds += time.perf_counter() - started
                     started = time.perf_counter()
                     self.save_state(state_path)
+                if report is not None:
+                    report(self.step, saved)
         except KeyboardInterrupt:
             if state_path is not None:
                 self.seconds += time.perf_counter() - started
                 started = time.perf_counter()
                 self.save_state(state_path)
+                if report is not None:
+                    report(self.step, True)
                 print(f"\ninterrupted at step {self.step}; state saved to {state_path}; continue with --resume",
                       file=sys.stderr)
             raise
@@ -731,6 +738,59 @@ def _progress_bar(initial: int, total: int, desc: str):
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
 
 
+class ProgressFile:
+    """Machine-readable progress for whoever started the run (`--progress FILE`, read by
+    spotlight/training.py): one JSON object, rewritten atomically at most every `every` seconds
+    and at once when the phase changes or a state is saved. Its fields:
+
+    phase: "loading", "recording" (done of `of` sequences), "training", "writing", then "done",
+    "interrupted" (Ctrl-C or SIGINT; the state at `saved_step` continues it) or "failed"
+    (`message` says why); step / total: optimizer steps over every layer group; start_step:
+    where this run began (the saved state's step when resumed); saved_step: the step of the last
+    saved state (null before one); elapsed: seconds since this run started; left: the estimated
+    seconds to the end from this run's pace (null until a step has run); out: the checkpoint.
+    """
+
+    def __init__(self, path: Path | None, out: Path, every: float = 0.5):
+        self.path, self.every = (Path(path) if path else None), every
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.started = time.perf_counter()
+        self.fields = {"phase": "loading", "step": 0, "total": 0, "start_step": 0, "saved_step": None,
+                       "done": 0, "of": 0, "elapsed": 0.0, "left": None, "out": str(out), "message": ""}
+        self._written = float("-inf")
+        self._pace: tuple[float, int] | None = None  # (when, step) the training phase began
+        self.update(force=True)
+
+    def update(self, force: bool = False, **fields) -> None:
+        force = force or fields.get("phase", self.fields["phase"]) != self.fields["phase"]
+        self.fields.update(fields)
+        now = time.perf_counter()
+        self.fields["elapsed"] = round(now - self.started, 2)
+        if self.path is None or not (force or now - self._written >= self.every):
+            return
+        self._written = now
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.fields))
+        tmp.replace(self.path)
+
+    def training(self, step: int, total: int, resumed: bool) -> None:
+        """The training phase begins at `step` (a resumed run: its saved state's step)."""
+        self._pace = (time.perf_counter(), step)
+        self.update(phase="training", step=step, total=total, start_step=step,
+                    saved_step=step if resumed else None)
+
+    def step(self, step: int, saved: bool) -> None:
+        """`step` steps are done (over every group); `saved`: the state at `step` was just written."""
+        when, first = self._pace
+        done, total = step - first, self.fields["total"]
+        left = (time.perf_counter() - when) / done * (total - step) if done > 0 else None
+        changes = {"step": step, "left": None if left is None else round(left, 1)}
+        if saved:
+            changes["saved_step"] = step
+        self.update(force=saved, **changes)
+
+
 # ----------------------------------------------------------------------------- data on disk
 
 
@@ -740,9 +800,11 @@ def data_key(fingerprint: str, sequences: list[list[int]], config: TrainConfig) 
     return hashlib.sha256(json.dumps([fingerprint, targets, sequences]).encode()).hexdigest()[:20]
 
 
-def load_or_record(model, fingerprint: str, sequences, config: TrainConfig, cache_dir: Path | None) -> QKData:
+def load_or_record(model, fingerprint: str, sequences, config: TrainConfig, cache_dir: Path | None,
+                   on_sequence=None) -> QKData:
     """Recorded data of config.layers (default all), from the on-disk cache when the same model,
-    text and targets were recorded before. Every layer is recorded, so one recording serves any --layers."""
+    text and targets were recorded before. Every layer is recorded, so one recording serves any --layers.
+    `on_sequence(done, total)` is called after each recorded sequence."""
     from safetensors.torch import load_file, save_file
 
     every = tuple(range(model.args.n_layers))
@@ -755,8 +817,12 @@ def load_or_record(model, fingerprint: str, sequences, config: TrainConfig, cach
             print(f"recorded q/k of {len(sequences)} sequences loaded from {path}", file=sys.stderr)
             return QKData(t["q"], t["k"], t["positions"], t["ranked"], every, model.inv_freq.float().cpu()).subset(layers)
     bar = _progress_bar(0, len(sequences), "record q/k (dense prefill)")
-    data = record(model, sequences, config, every if path is not None else layers,
-                  progress=lambda done, total: bar.update(1))
+    def recorded(done: int, total: int) -> None:
+        bar.update(1)
+        if on_sequence is not None:
+            on_sequence(done, total)
+
+    data = record(model, sequences, config, every if path is not None else layers, progress=recorded)
     bar.close()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -776,7 +842,9 @@ EPILOG = """examples:
 
 The training state (every --save-every steps, after each layer group and on Ctrl-C) goes to
 $SPOTLIGHT_HOME/train-state/X.state.pt; recorded q/k are cached under $SPOTLIGHT_HOME/train-cache,
-so a resumed run skips the prefill. On a busy 2-core machine --threads 1 is the faster choice."""
+so a resumed run skips the prefill. On a busy 2-core machine --threads 1 is the faster choice.
+--progress FILE also writes machine-readable progress (JSON: phase, step, total, seconds left),
+which training from the app's Settings tab reads (spotlight/training.py)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -845,6 +913,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training-state file (default $SPOTLIGHT_HOME/train-state/<out name>.state.pt)")
     r.add_argument("--cache-dir", default=None,
                    help="where recorded q/k are cached (default $SPOTLIGHT_HOME/train-cache; 'none' disables)")
+    r.add_argument("--progress", type=Path, default=None,
+                   help="also write machine-readable progress to this JSON file (phase, step, total, "
+                        "estimated seconds left; see ProgressFile), as training from Settings reads it")
     return p
 
 
@@ -875,16 +946,22 @@ def git_commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    progress = ProgressFile(args.progress, args.out)
     try:
-        return _main(args, sys.argv[1:] if argv is None else argv)
+        return _main(args, sys.argv[1:] if argv is None else argv, progress)
     except ValueError as exc:  # SpotlightError and bad settings: one clear line, no traceback
         print(f"error: {exc}", file=sys.stderr)
+        progress.update(phase="failed", message=str(exc))
         return 2
     except KeyboardInterrupt:
+        progress.update(phase="interrupted")
         return 130
+    except BaseException as exc:
+        progress.update(phase="failed", message=f"{type(exc).__name__}: {exc}")
+        raise
 
 
-def _main(args, argv: list[str]) -> int:
+def _main(args, argv: list[str], progress: ProgressFile) -> int:
     from . import loading
     from .config import EngineConfig, default_home
     from .corpus import load_corpus, token_windows
@@ -924,7 +1001,9 @@ def _main(args, argv: list[str]) -> int:
     no_cache = args.cache_dir is not None and args.cache_dir.lower() == "none"
     cache_dir = None if no_cache else Path(args.cache_dir or default_home() / "train-cache")
     record_started = time.perf_counter()
-    data = load_or_record(engine.model, engine.fingerprint, sequences, config, cache_dir)
+    progress.update(phase="recording", of=len(sequences))
+    data = load_or_record(engine.model, engine.fingerprint, sequences, config, cache_dir,
+                          on_sequence=lambda done, total: progress.update(done=done, of=total))
     record_seconds = time.perf_counter() - record_started
     spec = EncoderSpec.for_model(margs, config.bits, depth=config.depth, width=config.width, init=config.init)
     encoders = tie_hyperplanes(Encoders(spec, seed=config.seed, model_fingerprint=engine.fingerprint))
@@ -932,8 +1011,10 @@ def _main(args, argv: list[str]) -> int:
     if args.resume:
         training.load_state(state_path)
         print(f"resumed at step {training.step} of {training.total}", file=sys.stderr)
-    training.run(state_path=state_path, save_every=args.save_every, progress=True)
+    progress.training(training.step, training.total, resumed=args.resume)
+    training.run(state_path=state_path, save_every=args.save_every, progress=True, report=progress.step)
     training.save_state(state_path)
+    progress.update(phase="writing")
     encoders = training.finished_encoders()
     recall = code_recall(LayerMLP(encoders.query, data.layers), LayerMLP(encoders.key, data.layers), data, config)
     encoders.provenance = provenance(config, training, sources, record_seconds, recall, argv, engine, started)
@@ -941,6 +1022,7 @@ def _main(args, argv: list[str]) -> int:
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB, fingerprint {fingerprint}): recall@"
           f"{config.top_fraction:.0%} on the training text {float(recall.mean()):.3f} (mean over layers "
           f"{data.layers[0]}-{data.layers[-1]}); last group's loss {_smooth(training.history.loss):.4f}")
+    progress.update(phase="done", left=0.0)
     return 0
 
 

@@ -79,8 +79,27 @@ def test_every_model_bound_event_shares_the_engine_queue(ui_parts):
     components, handlers, table = ui_parts
     engine_bound = {h.__name__ for _, h, _, _, options in table if options.get("concurrency_id") == "engine"}
     assert engine_bound == {"upload", "send", "summarize", "regenerate", "edit", "edit_in_chat", "undo",
-                            "older_version", "newer_version", "apply_settings", "refresh", "models_view"}
+                            "older_version", "newer_version", "apply_settings", "refresh", "models_view",
+                            "use_trained_encoders"}
     assert all(options["concurrency_limit"] == 1 for *_, options in table if "concurrency_id" in options)
+
+
+def test_the_encoders_group_shows_untrained_codes_with_the_train_button(tmp_path):
+    from spotlight.testing import tiny_engine
+
+    handlers = Handlers(ServiceRef(ChatService(AppConfig(home=tmp_path), _engine=tiny_engine(spotlight=True))))
+    note, train, cancel, reload = handlers.encoders()
+    assert note == f"Spotlight encoders: **untrained codes** (retrieval less precise). {ui.TRAINING_COST}"
+    assert (train.value, train.visible, cancel.visible, reload) == ("Train encoders", True, False, "")
+    service = handlers.service
+    again = handlers.use_trained_encoders("")
+    assert (again[0], again[1].visible, again[2].visible, again[3]) == (note, True, False, "")
+    assert handlers.service is service  # no new encoders: the service stays
+    dense = Handlers(ServiceRef(ChatService(AppConfig(home=tmp_path), _engine=echo_engine())))
+    note, train, cancel, _ = dense.encoders()
+    assert (note, train.visible, cancel.visible) == ("Spotlight encoders: not used (Spotlight attention is off).",
+                                                     False, False)
+    service.close()
 
 
 def test_each_handler_returns_a_complete_view(ui_parts, tmp_path):

@@ -422,6 +422,8 @@ def test_settings_are_kept_across_a_restart(page, tmp_path):
             os.environ.pop("GRADIO_TEMP_DIR", None)
         else:
             os.environ["GRADIO_TEMP_DIR"] = gradio_dir
+
+
 def test_settings_lists_the_models_folder_and_a_choice_fills_in_the_path(page, tmp_path, shots):
     """Issue #22: a tiny GGUF the test put in <home>/models is a row of the Models table; choosing it
     in the dropdown fills in the model path that Apply loads."""
@@ -452,6 +454,34 @@ def test_settings_lists_the_models_folder_and_a_choice_fills_in_the_path(page, t
     finally:
         service.close()
         if gradio_dir is None:  # the module's other app keeps its own temporary folder
+            os.environ.pop("GRADIO_TEMP_DIR", None)
+        else:
+            os.environ["GRADIO_TEMP_DIR"] = gradio_dir
+
+
+def test_settings_show_untrained_encoders_and_offer_to_train_them(page, tmp_path):
+    """Issue #22: a model without trained encoders says so in Settings and offers to train them."""
+    import app
+    from chat.config import AppConfig
+    from chat.service import ChatService
+    from spotlight.testing import tiny_engine
+
+    gradio_dir = os.environ.get("GRADIO_TEMP_DIR")
+    service = ChatService(AppConfig(home=tmp_path / "home"), _engine=tiny_engine(spotlight=True))
+    try:
+        demo = app.serve(service, port=free_port(), prevent_thread_lock=True, quiet=True)
+        open_app(page, demo.local_url)
+        page.get_by_role("tab", name="Settings").click()
+        expect(page.locator("#encoders-note")).to_contain_text("Spotlight encoders: untrained codes (retrieval less "
+                                                                "precise).")
+        expect(page.locator("#encoders-note")).to_contain_text("on one CPU core")
+        expect(page.locator("#train-encoders-btn")).to_be_visible()
+        expect(page.locator("#train-encoders-btn")).to_have_text("Train encoders")
+        expect(page.locator("#cancel-training-btn")).to_be_hidden()
+        demo.close()
+    finally:  # the module's other app keeps its own temporary folder
+        service.close()
+        if gradio_dir is None:
             os.environ.pop("GRADIO_TEMP_DIR", None)
         else:
             os.environ["GRADIO_TEMP_DIR"] = gradio_dir
