@@ -183,7 +183,7 @@ def test_settings_models_group_lists_the_folder_and_notes_untrained_codes_after_
             "Settings applied.\n\n**Model changed:** caches computed with the old model are not reused; each "
             "conversation is read again on its next message (its messages are kept).\n\n**Note:** No trained "
             "Spotlight encoders for this model at 64 bits: using untrained (identity-like) codes, which retrieve "
-            "less precisely; train them with `python -m spotlight.train`.")
+            "less precisely; train them in Settings -> Encoders or with `python -m spotlight.train`.")
         table, choice = handlers.models_view()
         assert choice.value == str(hf) and f'<td title="{hf}">tiny-llama <b>(in use)</b></td>' in table
         note = handlers.apply_settings(*dataclasses.astuple(replace(form, temperature=0.5)))  # same model: no repeat

