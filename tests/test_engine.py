@@ -180,11 +180,12 @@ class Selections:
     """Copies of what `layer` read in each decode step."""
 
     def __init__(self, layer: int):
-        self.layer, self.seen = layer, []
+        self.layer, self.seen, self.reads = layer, [], []  # reads: (q, keys) of each step
 
     def on_layer(self, layer, q, cache, selected):
         if layer == self.layer:
             self.seen.append((cache.length + 1, None if selected is None else np.array(selected, copy=True)))
+            self.reads.append((q.clone(), cache.keys(layer, 1).clone()))
 
     def on_step(self, n_tokens):
         pass
@@ -222,16 +223,20 @@ def test_attention_tally_of_dense_steps_sums_to_the_steps():
     np.testing.assert_allclose(clipped.mass, tally.mass[:10], rtol=1e-12)
 
 
-def test_attention_tally_of_sparse_steps_weighs_only_selected_positions():
+def test_attention_tally_of_sparse_steps_weighs_selected_positions_by_their_attention():
     engine = tiny_engine(spotlight=True)
     assert tally_layers(engine.args.n_layers) == [1]  # the tiny model's sparse layer
     tally, seen = AttentionTally(limit=1000), Selections(layer=1)
     decode_with(engine, 150, 3, tally, seen)
     expected = np.zeros(1000)
-    for n, selected in seen.seen:
+    for (n, selected), (q, keys) in zip(seen.seen, seen.reads):
         assert selected is not None and selected.shape == (2, engine.spotlight.budget(n))
-        np.add.at(expected, selected.reshape(-1), 1.0 / selected.size)
-    np.testing.assert_allclose(tally.mass, expected, rtol=1e-12, atol=0)
+        (H, _, D), Hkv = q.shape, selected.shape[0]
+        for h in range(Hkv):  # each KV head: its query group's softmax over its selected rows
+            group = q[h * H // Hkv : (h + 1) * H // Hkv, 0].double()  # (G, D)
+            scores = group @ keys[h, selected[h]].double().T / D ** 0.5  # (G, K)
+            np.add.at(expected, selected[h], (scores.softmax(-1).sum(0) / H).numpy())
+    np.testing.assert_allclose(tally.mass, expected, rtol=1e-5, atol=1e-9)
     assert tally.steps == 3 and tally.mass.sum() == pytest.approx(3.0)
     unselected = np.setdiff1d(np.arange(1000), np.concatenate([s.reshape(-1) for _, s in seen.seen]))
     assert (tally.mass[unselected] == 0).all()
