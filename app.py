@@ -907,11 +907,12 @@ def serve(service: ChatService, host: str = "127.0.0.1", port: int = 7860, *, pa
     os.environ["GRADIO_TEMP_DIR"] = str(service.scratch.gradio_dir)  # read by the Blocks and the server below
     demo = build_ui(service, holder=holder).queue(default_concurrency_limit=4)
     auth = web_guard.password_check(password) if password else None
+    throttle = web_guard.LoginThrottle()  # failed logins: the middleware counts them, the login page explains
     routes = api_routes(service, api) if api is not None else []
     demo.launch(server_name=host, server_port=port, auth=auth, css=CSS, head=HEAD,
                 theme=THEME, footer_links=["api"],
-                app_kwargs={"middleware": web_guard.middleware(), "routes": routes},
-                auth_message="Spotlight Chat: any user name, the server's password", **launch_options)
+                app_kwargs={"middleware": web_guard.middleware(throttle), "routes": routes},
+                auth_message=web_guard.login_message(throttle), **launch_options)
     return demo
 
 

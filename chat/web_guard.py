@@ -87,6 +87,14 @@ class LoginThrottle:
         return (count, last) if count and self.clock() - last <= self.window else (0, 0.0)
 
 
+def login_message(throttle: LoginThrottle) -> str:
+    """What the login page says above the form. Gradio's page shows an error only for a 400
+    (wrong password) and nothing for the throttle's 429, so the wait is explained up front."""
+    return (f"Spotlight Chat: any user name, the server's password. After {throttle.free_tries} wrong passwords "
+            f"the next try must wait {throttle.base_delay:g} s, then twice as long after each wrong one; "
+            f"if Login seems to do nothing, wait a little and try again.")
+
+
 def too_many_logins(seconds: float) -> str:
     return f"Too many wrong passwords from this address: wait {math.ceil(seconds)} s, then try again."
 

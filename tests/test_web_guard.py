@@ -68,6 +68,20 @@ def test_wrong_passwords_lock_the_address_out_with_a_clear_message(locked_app):
         assert right.headers["retry-after"] == "2"
 
 
+def test_the_login_page_explains_the_wait_it_cannot_show():
+    """Gradio's login form shows an error for a 400 only, nothing for the throttle's 429."""
+    assert web_guard.login_message(LoginThrottle(free_tries=3, base_delay=1.5)) == (
+        "Spotlight Chat: any user name, the server's password. After 3 wrong passwords the next try must wait "
+        "1.5 s, then twice as long after each wrong one; if Login seems to do nothing, wait a little and try again.")
+
+
+def test_the_served_login_page_carries_that_message(locked_app):
+    with httpx.Client() as client:
+        refused = client.get(f"{locked_app}/config")
+    assert (refused.status_code, refused.json()) == (401, {"detail": {
+        "error": "Not authenticated", "auth_message": web_guard.login_message(LoginThrottle())}})
+
+
 def test_cancel_and_reset_need_the_login(locked_app):
     body = {"session_hash": "abc", "fn_index": 0, "event_id": "e1"}
     with httpx.Client() as client:
