@@ -57,7 +57,8 @@ def related(quote: str, reply: str) -> bool:
 
 def likely_right(sources: list[Source], reply: str) -> list[Source]:
     """The sources worth showing under `reply`: those `related` to it, in their order."""
-    return [source for source in sources if related(source.quote, reply)]
+    words = salient_words(reply)
+    return [source for source in sources if salient_words(source.quote) & words]
 
 
 class SourceTracker:

@@ -9,7 +9,8 @@ computed; a file whose size or mtime changed is read again. Hashing a 98 MB GGUF
 and parsing its metadata with gguf's reader ~5 s on 2 busy cores, so start and the model
 listing pay them once per file. The stamps file is written through a temporary file and a
 rename; where it cannot be written (a read-only data directory) nothing is remembered and
-every call computes again.
+every call computes again. `read_json` / `write_json` are the same small-file pattern for the
+other JSON files the engine keeps (the training job's record, train.py's progress file).
 """
 from __future__ import annotations
 
@@ -31,6 +32,29 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(_BLOCK), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_json(path: Path, default=None):
+    """The JSON value in `path`; `default` when it is missing or unreadable (write_json's rename
+    means a reader never sees a half-written file)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def write_json(path: Path, value) -> None:
+    """Write `value` as JSON through a temporary file in the same folder and a rename, so the
+    final name only ever holds a whole file. Raises OSError when the folder is not writable."""
+    path = Path(path)
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 class FileStamps:
@@ -65,24 +89,12 @@ class FileStamps:
         return value
 
     def _read(self) -> dict:
-        try:
-            stamps = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
+        stamps = read_json(self.path, {})
         return stamps if isinstance(stamps, dict) else {}
 
     def _write(self, stamps: dict) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            handle, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+            write_json(self.path, stamps)
         except OSError:
-            return  # not writable: nothing is remembered
-        try:
-            with os.fdopen(handle, "w") as f:
-                json.dump(stamps, f)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            pass  # not writable: nothing is remembered

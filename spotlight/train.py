@@ -53,6 +53,7 @@ from torch import nn
 
 from .cache import KVCache
 from .config import ModelArgs
+from .digests import write_json
 from .errors import ContextTooLong, EncoderMismatch, SpotlightError, TooMuchMemory
 from .hashing import EncoderSpec, Encoders
 from .model import apply_rope
@@ -770,9 +771,7 @@ class ProgressFile:
         if self.path is None or not (force or now - self._written >= self.every):
             return
         self._written = now
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.fields))
-        tmp.replace(self.path)
+        write_json(self.path, self.fields)
 
     def training(self, step: int, total: int, resumed: bool) -> None:
         """The training phase begins at `step` (a resumed run: its saved state's step)."""

@@ -24,7 +24,6 @@ at a time per home: starting another raises `TrainingRunning`.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import TrainingJobConfig
+from .digests import read_json, write_json
 from .errors import TrainingRunning
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # what `--model` unset trains (the bundled model)
@@ -169,8 +169,8 @@ class EncoderTraining:
         child = _children.get(self.folder)
         if child is not None:
             return child.poll() is None
-        started = self._job().get("started")
-        return started is not None and _start_time(self._job().get("pid")) == started
+        job = self._job()
+        return job.get("started") is not None and _start_time(job.get("pid")) == job["started"]
 
     def progress(self) -> TrainingProgress:
         """The job's status and train.py's last progress report."""
@@ -195,8 +195,9 @@ class EncoderTraining:
         timeout = TrainingJobConfig().cancel_seconds if timeout is None else timeout
         with _lock:
             if self.running():
-                self._write_job({**self._job(), "cancelled": True})
-                pid = self._job()["pid"]
+                job = self._job()
+                self._write_job({**job, "cancelled": True})
+                pid = job["pid"]
                 os.kill(pid, signal.SIGINT)
                 if not self.wait(timeout):
                     os.kill(pid, signal.SIGKILL)
@@ -222,21 +223,13 @@ class EncoderTraining:
     # ------------------------------------------------------------------ files
 
     def _job(self) -> dict:
-        try:
-            return json.loads(self.job_path.read_text())
-        except (OSError, ValueError):
-            return {}
+        return read_json(self.job_path, {})
 
     def _write_job(self, values: dict) -> None:
-        tmp = self.job_path.with_name(self.job_path.name + ".tmp")
-        tmp.write_text(json.dumps(values, indent=1))
-        tmp.replace(self.job_path)
+        write_json(self.job_path, values)
 
     def _fields(self) -> dict:
-        try:
-            return json.loads(self.progress_path.read_text())
-        except (OSError, ValueError):  # not written yet (the rename makes a half-written one impossible)
-            return {}
+        return read_json(self.progress_path, {})  # {} until train.py's first write
 
     def _last_log_line(self) -> str:
         try:

@@ -29,8 +29,9 @@ def planted_document() -> str:
     return "\n\n".join(f"Section {i + 1}\n\n{p}" for i, p in enumerate(paragraphs))
 
 
-def test_constructed_attention_picks_the_planted_sentence():
-    """The mass put on the fact's tokens makes its segment the first source, quoting its sentence."""
+def planted_ranking():
+    """(tracker, its ranked sources) for the planted document with attention mass put on the
+    fact's tokens (the tiny engine's rendering; no decoding)."""
     engine = tiny_engine(seed=2)
     text = planted_document()
     document = AttachedDocument("d", "village.txt", text,
@@ -38,11 +39,16 @@ def test_constructed_attention_picks_the_planted_sentence():
     conversation = Conversation("Be brief.", (document,), (("user", "Password?"),))
     rendering = Renderer(engine).prompt(conversation)
     tracker = SourceTracker.for_rendering(conversation, rendering)
-    assert tracker is not None and len(tracker.ranges) > 3
     start = rendering.token_at(0, text.index("PURPLE-ELEPHANT-42"))
     mass = np.full(tracker.observer.mass.shape, 0.001)
     mass[start : start + 18] = 1.0
-    sources = tracker.rank(mass)
+    return tracker, tracker.rank(mass)
+
+
+def test_constructed_attention_picks_the_planted_sentence():
+    """The mass put on the fact's tokens makes its segment the first source, quoting its sentence."""
+    tracker, sources = planted_ranking()
+    assert len(tracker.ranges) > 3
     assert [s.document for s in sources] == ["village.txt"] * 3
     assert sources[0].quote == "The secret password for the vault is PURPLE-ELEPHANT-42."
     assert sources[0].weight > 0.5 and sources[0].weight + sources[1].weight + sources[2].weight <= 1.0
@@ -143,17 +149,7 @@ def test_a_quote_is_related_to_a_reply_only_through_a_salient_word(quote, reply,
 
 def test_only_sources_related_to_the_reply_are_shown():
     """Of the three top-attended segments, the one quoting the answer stays; the filler goes."""
-    engine = tiny_engine(seed=2)
-    text = planted_document()
-    document = AttachedDocument("d", "village.txt", text,
-                                tuple(segment_document(Document("village.txt", "txt", text), engine.count_tokens)))
-    conversation = Conversation("Be brief.", (document,), (("user", "Password?"),))
-    rendering = Renderer(engine).prompt(conversation)
-    tracker = SourceTracker.for_rendering(conversation, rendering)
-    start = rendering.token_at(0, text.index("PURPLE-ELEPHANT-42"))
-    mass = np.full(tracker.observer.mass.shape, 0.001)
-    mass[start : start + 18] = 1.0
-    ranked = tracker.rank(mass)
+    _, ranked = planted_ranking()
     assert ([s.quote for s in likely_right(ranked, "It is PURPLE-ELEPHANT-42.")], len(ranked),
             likely_right(ranked, "I do not know.")) == (
         ["The secret password for the vault is PURPLE-ELEPHANT-42."], 3, [])
