@@ -34,7 +34,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 QUANT_SO := kernels/_quant.so
 
 $(QUANT_SO): kernels/quant.c
-	cc -O3 -march=native -ffp-contract=off -fopenmp -shared -fPIC -o $@ kernels/quant.c || echo "kernels/quant.c not built: the numba kernels will be used"
+	cc -O3 -march=native -ffp-contract=off -fopenmp -shared -fPIC -o $@ kernels/quant.c -lm || echo "kernels/quant.c not built: the numba kernels will be used"
 
 setup: $(STAMP) $(QUANT_SO)
 

@@ -37,7 +37,8 @@ from chat.api import ApiConfig  # noqa: E402
 from chat.errors import ChatError, ConversationChanged, ModelUnavailable, NotFoundError  # noqa: E402
 from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
-from chat.config import MB, QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, AppConfig, EngineConfig, UploadLimits  # noqa: E402
+from chat.config import (ACTIVATIONS, ACTIVATIONS_HELP, MB, QUANTIZE, QUANTIZE_HELP, WEIGHTS,  # noqa: E402
+                         WEIGHTS_HELP, AppConfig, EngineConfig, UploadLimits)
 
 # Gradio's own sweep of its temporary folder (every 10 minutes, files older than an hour): a backstop
 # for what chat/ does not delete itself (uploads are deleted once read, exports at the next export)
@@ -376,7 +377,7 @@ def layout(demo: gr.Blocks, config: AppConfig) -> Components:
             gr.Textbox(form.model_path, label="Model path", placeholder="empty: the packaged smollm2-135m-instruct",
                        info="A packaged model's name, a .gguf file or a Hugging Face directory (Llama, Qwen2, "
                             "Mistral); the Models list above fills it in. Weights (--weights): "
-                            + WEIGHTS_HELP + ". --quantize " + QUANTIZE_HELP + "."),
+                            + WEIGHTS_HELP + ". --quantize " + QUANTIZE_HELP + ". --activations " + ACTIVATIONS_HELP + "."),
             gr.Slider(0.0, 2.0, form.temperature, step=0.05, label="Temperature (0 = greedy)"),
             gr.Slider(0.05, 1.0, form.top_p, step=0.05, label="Top-p"),
             gr.Slider(1, 2048, form.max_new_tokens, step=1, label="Max reply tokens"),
@@ -924,6 +925,7 @@ def parse_args(argv=None):
                    help=ui.model_help())
     p.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights, help=WEIGHTS_HELP)
     p.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
+    p.add_argument("--activations", choices=ACTIVATIONS, default=EngineConfig.activations, help=ACTIVATIONS_HELP)
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest reply in tokens (default: 256)")
     p.add_argument("--max-upload-mb", type=float, default=UploadLimits.max_bytes / MB,
                    help=f"largest file an upload may be, in MB (default: {UploadLimits.max_bytes / MB:g}); "
@@ -947,7 +949,8 @@ def startup_config(args, saved: dict) -> AppConfig:
     (`saved`, ChatService.saved_settings), and what the command line names over those.
     ValueError for an impossible upload limit."""
     uploads = UploadLimits(max_bytes=round(args.max_upload_mb * MB), max_tokens=args.max_document_tokens)
-    engine = EngineConfig(weights=args.weights, quantize=args.quantize, packages_dir=os.environ.get(PACKAGES_ENV))
+    engine = EngineConfig(weights=args.weights, quantize=args.quantize, activations=args.activations,
+                          packages_dir=os.environ.get(PACKAGES_ENV))
     config = ui.saved_config(AppConfig(engine=engine,
                                        host=args.host, port=args.port, uploads=uploads),
                              saved)

@@ -59,14 +59,16 @@ def kv_bytes_per_token(args, element_bytes: int) -> int:
 class OursRunner:
     """Our engine (dense decode), loaded and warmed up once; `measure` runs one context.
     weights: EngineConfig.weights ("quantized": the GGUF's blocks in decode; "fp32");
-    kernel_threads: EngineConfig.kernel_threads."""
+    kernel_threads, model (model_path), activations: EngineConfig's fields of those names."""
 
-    def __init__(self, weights: str = "quantized", kernel_threads: int = 1):
+    def __init__(self, weights: str = "quantized", kernel_threads: int = 1, model: str | None = None,
+                 activations: str = "int16"):
         from bench.spotlight_speed import weight_bytes
         from spotlight.config import EngineConfig, default_home
         from spotlight.engine import Engine
 
-        self.engine = Engine.load(EngineConfig(weights=weights, kernel_threads=kernel_threads), default_home())
+        config = EngineConfig(model_path=model, weights=weights, kernel_threads=kernel_threads, activations=activations)
+        self.engine = Engine.load(config, default_home())
         self.weight_bytes = weight_bytes(self.engine.model)
         warm = essay_ids(self.engine.tokenizer, WARM_UP_TOKENS)  # one-time kernel set-up stays out of the rows
         self._generate(warm, 2)

@@ -16,8 +16,9 @@ which the average over mostly recent top keys hides). Averages exclude the dense
 layers; the per-layer table includes them (it is how the dense layers are chosen).
 Part `perplexity`: NLL through the decode path (dense prefill of the first part, then one
 token at a time) on other held-out essay text, dense vs each method.
-Part `weights`: the same NLL, dense, with the GGUF's weights kept quantized (the default engine)
-and with its fp32 dequantised copy (`--weights fp32`): issue #20 asks for perplexities within 0.1 %.
+Part `weights`: the same NLL, dense, with the GGUF's weights kept quantized (the default engine,
+with int8 activations, and with fp32 ones: `--activations fp32`) and with its fp32 dequantised
+copy (`--weights fp32`): issue #20 asks for perplexities within 0.1 %.
 Part `needle`: "The special magic number for the city of Lisbon is 7481." in essay haystacks
 of 2K-8K tokens at depths 0.1, 0.2, ... 0.9; the question is decoded one token at a time through the
 method's policy after the dense prefill of the haystack; greedy, 24 new tokens.
@@ -59,12 +60,15 @@ def spotlight_config(args):
                    window=defaults.window if args.window is None else args.window)
 
 
-def load(args):
+def load(args, need_encoders: bool = True):
+    """The engine of --model and its trained encoders (None when no part needs them)."""
     from spotlight.config import EngineConfig, default_home
     from spotlight.engine import Engine, find_encoders
     from spotlight.hashing import load_encoders
 
-    engine = Engine.load(EngineConfig(), default_home())
+    engine = Engine.load(EngineConfig(model_path=args.model), default_home())
+    if not need_encoders:
+        return engine, None
     if args.encoders:
         trained = load_encoders(args.encoders, model_fingerprint=engine.fingerprint)
     else:
@@ -167,6 +171,8 @@ _COLOURS = {"spotlight": "C0", "untrained": "C1", "simhash": "C2", "linear": "C3
 def main(argv=None):
     p = parser("quality", __doc__.splitlines()[0])
     p.add_argument("--part", default="retrieval,perplexity,needle,weights", help="comma-separated parts to run")
+    p.add_argument("--model", default=None, metavar="NAME|PATH",
+                   help="a packaged model's name or a model path (default: the default model)")
     p.add_argument("--encoders", help="trained checkpoint (default: the shipped one for the model)")
     p.add_argument("--bits", type=int, default=128, help="bits of the shipped checkpoint to use (default 128)")
     p.add_argument("--ratio", type=float, help="retrieved share for perplexity and needles (default: SpotlightConfig)")
@@ -186,10 +192,10 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else FULL
     parts = {s.strip() for s in args.part.split(",")}
-    engine, trained = load(args)
+    engine, trained = load(args, need_encoders=bool(parts - {"weights"}))
     config = spotlight_config(args)
-    methods = build_methods(engine.args, trained, simhash_bits=sizes["simhash_bits"])
-    spot = next(n for n, m in methods.items() if m.family == "spotlight" and m.bits == trained.spec.bits)
+    methods = build_methods(engine.args, trained, simhash_bits=sizes["simhash_bits"]) if trained else {}
+    spot = next((n for n, m in methods.items() if m.family == "spotlight" and m.bits == trained.spec.bits), None)
     rows, targets, extra = [], [], []
     started = time.perf_counter()
     if "retrieval" in parts:
@@ -214,8 +220,9 @@ def main(argv=None):
     if "weights" in parts:
         weight_rows = weights_part(engine, sizes)
         rows += weight_rows
-        targets.append(Target("perplexity change, quantized vs fp32 weights (abs(PPL / fp32 - 1))",
-                              weight_rows[0]["PPL change vs fp32"], 0.001, higher_is_better=False))
+        for row in weight_rows[:-1]:  # the last row is fp32 itself
+            targets.append(Target(f"perplexity change, {row['weights']} vs fp32 weights (abs(PPL / fp32 - 1))",
+                                  row["PPL change vs fp32"], 0.001, higher_is_better=False))
     notes = notes_for(engine, trained, methods, config, sizes, time.perf_counter() - started)
     finish("quality", args, rows, targets, title="Retrieval quality (Spotlight vs baselines)", notes=notes,
            extra="\n\n".join(extra))
@@ -268,19 +275,24 @@ def perplexity_part(engine, methods, sizes, config, spot):
 
 
 def weights_part(engine, sizes) -> list[dict]:
-    """Dense NLL through the decode path with `engine`'s weights and with the same model's fp32
-    copy (a second engine, EngineConfig(weights="fp32")), on the same held-out essay text."""
+    """Dense NLL through the decode path with `engine`'s weights and activations, with the
+    quantized weights' other activations (kernels.quant.ACTIVATIONS) and with the same model's
+    fp32 copy (EngineConfig(weights="fp32")), each a second engine, on the same held-out essay text."""
     import math
 
-    from spotlight.config import SpotlightConfig, default_home
+    from spotlight.config import ACTIVATIONS, SpotlightConfig, default_home
     from spotlight.engine import Engine
 
-    fp32 = Engine.load(replace(engine.config, weights="fp32"), default_home())
+    label = {a: f"quantized, {a} activations" for a in ACTIVATIONS}
+    engines = {label[engine.config.activations]: engine}
+    for other in ACTIVATIONS:
+        if other != engine.config.activations:
+            engines[label[other]] = Engine.load(replace(engine.config, activations=other), default_home())
+    engines["fp32"] = Engine.load(replace(engine.config, weights="fp32"), default_home())
     ids = essay_ids(engine)
     doc = ids[-(sizes["weights_prefix"] + sizes["weights_tokens"] + 1):]  # the end: unused by the other parts
     runs = {"dense": (None, SpotlightConfig())}
-    nll = {name: perplexity(e.model, [doc], sizes["weights_prefix"], runs)["dense"]
-           for name, e in (("quantized", engine), ("fp32", fp32))}
+    nll = {name: perplexity(e.model, [doc], sizes["weights_prefix"], runs)["dense"] for name, e in engines.items()}
     return [{"part": "perplexity: quantized vs fp32 weights", "weights": name, "tokens": sizes["weights_tokens"],
              "NLL": value, "PPL": math.exp(value), "PPL / fp32": math.exp(value - nll["fp32"]),
              "PPL change vs fp32": abs(math.expm1(value - nll["fp32"]))}
@@ -345,10 +357,11 @@ def training_of(encoders) -> str:
 
 def notes_for(engine, trained, methods, config, sizes, seconds) -> str:
     linear = [f"{name}: {training_of(m.selector.encoders)}" for name, m in methods.items() if m.family == "linear"]
+    encoders = "no encoders (only the weights part ran)" if trained is None else (
+        f"trained encoders {trained.spec.bits} bits, depth {trained.spec.depth}, width {trained.spec.width}, "
+        f"checkpoint {trained.fingerprint} ({training_of(trained)}){''.join(f'; {x}' for x in linear)}")
     return (
-        f"Model {engine.source.origin} (fingerprint {engine.fingerprint}); trained encoders "
-        f"{trained.spec.bits} bits, depth {trained.spec.depth}, width {trained.spec.width}, checkpoint "
-        f"{trained.fingerprint} ({training_of(trained)}){''.join(f'; {x}' for x in linear)}. "
+        f"Model {engine.source.origin} (fingerprint {engine.fingerprint}); {encoders}. "
         f"Budget accounting for every method: {config.sinks} sinks + {config.window}-token window + retrieved; dense "
         f"layers {list(config.dense_layers)}. Retrieval: {sizes['retrieval_docs']} held-out essay windows of "
         f"{sizes['retrieval_len']} tokens, the last {sizes['decode_steps']} decoded one at a time; retrieved = "

@@ -4,8 +4,9 @@
    Each weight is decoded exactly as gguf.quants.dequantize computes it (same fp32 operations in
    the same order, no contraction: the file is compiled with -ffp-contract=off and the AVX2 code
    multiplies and adds the weight in separate instructions), then `weight * x` is accumulated in
-   fp32 (FMA in the AVX2 path). Activations are never quantized. Rows are independent: one row is
-   summed by one call in one fixed order, so any split of the rows gives the same bits.
+   fp32 (FMA in the AVX2 path); the int16-activation kernels further down are the one exception.
+   Rows are independent: one row is summed by one call in one fixed order, so any split of the
+   rows gives the same bits.
 
    Block layouts (ggml, little-endian; f16 = IEEE half; w = the dequantised weight):
      Q4_1  f16 d, f16 m, 16 B nibbles            w = d * q + m         (20 B / 32)
@@ -22,6 +23,7 @@
    time (__AVX2__ and __FMA__ and __F16C__, as -march=native sets them on this CPU class); the
    scalar path is the fallback and the reference of the same arithmetic. */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -275,6 +277,333 @@ static float row_q6_k_simd(const uint8_t *rb, int64_t nb, const float *x) {
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 #endif
+
+/* ============================================================ int16 activations (issue #20)
+
+   The same products with x first rounded to int16: x is cut into runs of 32 (one per legacy
+   block, eight per k-quant block, aligned with their 32-value sub-blocks), each run stored as
+   int16 q with one fp32 scale xd = max|x| / 32767 and the sum of its q. Each 32-value run of a
+   row is then one exact integer dot product of the weight's integer codes with q, scaled once in
+   fp32 by the block's (and sub-block's) scales times xd. The weights are read as stored; only
+   the activations are rounded, to 1 part in 65,534 of their run's range (llama.cpp rounds them
+   to int8, 1 in 254: measured 0.7 % of perplexity on SmolLM2 against ~0 here, docs/DECISIONS.md).
+   AVX2 turns 32 codes times 32 activations into 8 int32 sums with two madd instructions, where
+   the fp32 kernels above spend about eight instructions per 8 weights.
+
+   The integer sums are exact (|code| <= 128, |q| <= 32767: a madd pair stays below 2^23), so the
+   SIMD and scalar paths differ only in the order of the fp32 additions of the per-run terms. */
+
+/* x (n,) fp32, n a multiple of 32 -> q (n,) int16, d (n/32,) fp32 scales, s (n/32,) int32 sums of q. */
+static void quantize_x(const float *x, int64_t n, int16_t *q, float *d, int32_t *s) {
+    for (int64_t c = 0; c < n / QK; c++) {
+        const float *xc = x + QK * c;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float a = xc[i] < 0 ? -xc[i] : xc[i];
+            amax = a > amax ? a : amax;
+        }
+        float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) {
+            int v = (int)nearbyintf(xc[i] * id);
+            v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
+            q[QK * c + i] = (int16_t)v;
+            sum += v;
+        }
+        d[c] = amax / 32767.0f;
+        s[c] = sum;
+    }
+}
+
+typedef float (*row_x16_fn)(const uint8_t *, int64_t, const int16_t *, const float *, const int32_t *);
+
+static float rowx_q8_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    (void)xs;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 34, xq += QK) {
+        int32_t isum = 0;
+        for (int i = 0; i < QK; i++) isum += (int32_t)(int8_t)rb[2 + i] * xq[i];
+        acc += half_to_float(rb) * xd[b] * (float)isum;
+    }
+    return acc;
+}
+
+static float rowx_q4_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    (void)xs;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 18, xq += QK) {
+        int32_t isum = 0;
+        for (int i = 0; i < 16; i++)
+            isum += ((rb[2 + i] & 15) - 8) * xq[i] + ((rb[2 + i] >> 4) - 8) * xq[i + 16];
+        acc += half_to_float(rb) * xd[b] * (float)isum;
+    }
+    return acc;
+}
+
+static float rowx_q4_1_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 20, xq += QK) {
+        int32_t isum = 0;
+        for (int i = 0; i < 16; i++) isum += (rb[4 + i] & 15) * xq[i] + (rb[4 + i] >> 4) * xq[i + 16];
+        acc += half_to_float(rb) * xd[b] * (float)isum + half_to_float(rb + 2) * xd[b] * (float)xs[b];
+    }
+    return acc;
+}
+
+static float rowx_q5_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    (void)xs;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 22, xq += QK) {
+        uint32_t qh = (uint32_t)rb[2] | ((uint32_t)rb[3] << 8) | ((uint32_t)rb[4] << 16) | ((uint32_t)rb[5] << 24);
+        int32_t isum = 0;
+        for (int i = 0; i < 16; i++) {
+            int lo = (int)((rb[6 + i] & 15) | (((qh >> i) & 1) << 4)) - 16;
+            int hi = (int)((rb[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16;
+            isum += lo * xq[i] + hi * xq[i + 16];
+        }
+        acc += half_to_float(rb) * xd[b] * (float)isum;
+    }
+    return acc;
+}
+
+static float rowx_q4_k_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 144) {
+        float d = half_to_float(rb), dmin = half_to_float(rb + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(rb + 4, j, &sc, &mn);
+            const uint8_t *q = rb + 16 + 32 * (j / 2);
+            const int16_t *xj = xq + QK_K * b + QK * j;
+            int shift = 4 * (j & 1);
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += ((q[i] >> shift) & 15) * xj[i];
+            int64_t c = 8 * b + j;
+            acc += d * (float)sc * xd[c] * (float)isum - dmin * (float)mn * xd[c] * (float)xs[c];
+        }
+    }
+    return acc;
+}
+
+static float rowx_q6_k_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    (void)xs;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 210) {
+        float d = half_to_float(rb + 208);
+        const int8_t *scales = (const int8_t *)(rb + 192);
+        for (int k = 0; k < 8; k++) {  /* run k: half n = k / 4, which (q1..q4) = k % 4 */
+            int n = k / 4, which = k % 4;
+            const uint8_t *ql = rb + 64 * n + 32 * (which & 1), *qh = rb + 128 + 32 * n;
+            const int16_t *xk = xq + QK_K * b + QK * k;
+            for (int half = 0; half < 2; half++) {  /* two sub-blocks of 16, scales 2k and 2k + 1 */
+                int32_t isum = 0;
+                for (int l = 16 * half; l < 16 * half + 16; l++) {
+                    int low = which < 2 ? (ql[l] & 15) : (ql[l] >> 4);
+                    isum += ((int)(low | (((qh[l] >> (2 * which)) & 3) << 4)) - 32) * xk[l];
+                }
+                acc += d * (float)scales[2 * k + half] * xd[8 * b + k] * (float)isum;
+            }
+        }
+    }
+    return acc;
+}
+
+#if QUANT_SIMD
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 32 signed byte codes w times 32 int16 activations at x -> 8 int32 partial sums: values 0-15
+   in `lo`, 16-31 in `hi` when the caller needs them apart (Q6_K), else added. */
+static inline void dot_w16(__m256i w, const int16_t *x, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(w)), load32(x));
+    *hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1)), load32(x + 16));
+}
+
+static inline __m256 dot32(__m256i w, const int16_t *x) {
+    __m256i lo, hi;
+    dot_w16(w, x, &lo, &hi);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+}
+
+/* 16 bytes of nibbles -> 32 bytes: value i < 16 the low nibble of byte i, value i >= 16 the high
+   nibble of byte i - 16 (the legacy blocks' order). */
+static inline __m256i nibbles_32(const uint8_t *p) {
+    __m128i q = _mm_loadu_si128((const __m128i *)p), low4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low4), _mm_and_si128(q, low4));
+}
+
+/* The 32 bits of `bits` as 32 bytes, byte i = 0xFF where bit i is set. */
+static inline __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);  /* byte i = byte i / 8 of bits */
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+static float rowx_q8_0_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    (void)xs;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 34, xq += QK)
+        acc = _mm256_fmadd_ps(dot32(load32(rb + 2), xq), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
+    return hsum(acc);
+}
+
+static float rowx_q4_0_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    (void)xs;
+    const __m256i eight = _mm256_set1_epi8(8);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 18, xq += QK) {
+        __m256i w = _mm256_sub_epi8(nibbles_32(rb + 2), eight);
+        acc = _mm256_fmadd_ps(dot32(w, xq), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
+    }
+    return hsum(acc);
+}
+
+static float rowx_q4_1_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 20, xq += QK) {
+        acc = _mm256_fmadd_ps(dot32(nibbles_32(rb + 4), xq), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
+        mins += half_to_float(rb + 2) * xd[b] * (float)xs[b];
+    }
+    return hsum(acc) + mins;
+}
+
+static float rowx_q5_0_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    (void)xs;
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 22, xq += QK) {
+        uint32_t bits;
+        memcpy(&bits, rb + 2, sizeof bits);  /* little-endian, as x86 is */
+        __m256i w = _mm256_or_si256(nibbles_32(rb + 6), _mm256_and_si256(bits_to_bytes(bits), sixteen));
+        acc = _mm256_fmadd_ps(dot32(_mm256_sub_epi8(w, sixteen), xq), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
+    }
+    return hsum(acc);
+}
+
+static float rowx_q4_k_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t b = 0; b < nb; b++, rb += 144, xq += QK_K, xd += 8, xs += 8) {
+        float d = half_to_float(rb), dmin = half_to_float(rb + 2);
+        for (int j = 0; j < 8; j += 2) {  /* 32 bytes: sub-block j in the low nibbles, j + 1 in the high */
+            int sc0, mn0, sc1, mn1;
+            scale_min_k4(rb + 4, j, &sc0, &mn0);
+            scale_min_k4(rb + 4, j + 1, &sc1, &mn1);
+            __m256i q = load32(rb + 16 + 16 * j);
+            acc = _mm256_fmadd_ps(dot32(_mm256_and_si256(q, low4), xq + QK * j),
+                                  _mm256_set1_ps(d * (float)sc0 * xd[j]), acc);
+            acc = _mm256_fmadd_ps(dot32(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), xq + QK * (j + 1)),
+                                  _mm256_set1_ps(d * (float)sc1 * xd[j + 1]), acc);
+            mins += dmin * (float)mn0 * xd[j] * (float)xs[j] + dmin * (float)mn1 * xd[j + 1] * (float)xs[j + 1];
+        }
+    }
+    return hsum(acc) - mins;
+}
+
+static float rowx_q6_k_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+    (void)xs;
+    const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 210, xq += QK_K, xd += 8) {
+        float d = half_to_float(rb + 208);
+        const int8_t *scales = (const int8_t *)(rb + 192);
+        for (int n = 0; n < 2; n++) {  /* half n: runs 4n .. 4n + 3 */
+            __m256i l0 = load32(rb + 64 * n), l1 = load32(rb + 64 * n + 32), h = load32(rb + 128 + 32 * n);
+            __m256i q[4] = {  /* the 6-bit codes of the half's four runs of 32 */
+                _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), bits45)),
+                _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(h, bits45)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45))};
+            for (int which = 0; which < 4; which++) {
+                int k = 4 * n + which;
+                __m256i lo, hi;  /* values 0-15 have scale 2k, 16-31 scale 2k + 1 */
+                dot_w16(_mm256_sub_epi8(q[which], off), xq + QK * k, &lo, &hi);
+                float f = d * xd[k];
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(f * (float)scales[2 * k]), acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(f * (float)scales[2 * k + 1]), acc);
+            }
+        }
+    }
+    return hsum(acc);
+}
+#endif
+
+/* The int16-activation row kernel of `kind` (SIMD unless `scalar`), or 0 where there is none. */
+static row_x16_fn row_kernel_x16(int kind, int scalar) {
+#if QUANT_SIMD
+    if (!scalar) {
+        switch (kind) {
+        case KIND_Q4_0: return rowx_q4_0_simd;
+        case KIND_Q4_1: return rowx_q4_1_simd;
+        case KIND_Q5_0: return rowx_q5_0_simd;
+        case KIND_Q8_0: return rowx_q8_0_simd;
+        case KIND_Q4_K: return rowx_q4_k_simd;
+        case KIND_Q6_K: return rowx_q6_k_simd;
+        default: break;
+        }
+    }
+#endif
+    (void)scalar;
+    switch (kind) {
+    case KIND_Q4_0: return rowx_q4_0_scalar;
+    case KIND_Q4_1: return rowx_q4_1_scalar;
+    case KIND_Q5_0: return rowx_q5_0_scalar;
+    case KIND_Q8_0: return rowx_q8_0_scalar;
+    case KIND_Q4_K: return rowx_q4_k_scalar;
+    case KIND_Q6_K: return rowx_q6_k_scalar;
+    default: return 0;
+    }
+}
+
+/* 1 when `kind` has an int16-activation kernel (scalar or SIMD) in this library. */
+int quant_x16_supports(int kind) { return row_kernel_x16(kind, 1) != 0; }
+
+/* Bytes of the scratch quant_matvec_x16 needs for `cols` activations: q, then scales, then sums. */
+int64_t quant_x16_scratch_bytes(int64_t cols) {
+    return (int64_t)sizeof(int16_t) * cols + (int64_t)(sizeof(float) + sizeof(int32_t)) * (cols / QK);
+}
+
+/* quant_matvec with x rounded to int16 first (into `scratch`, quant_x16_scratch_bytes(cols)
+   bytes, 4-byte aligned) and the rows split over `threads` OpenMP threads as
+   quant_matvec_threads does. x is rounded once, before the rows, so every split gives the same
+   bits. Returns 0, or -1 for a kind without an int16 kernel. */
+int quant_matvec_x16(int kind, const uint8_t *blocks, int64_t row_bytes, int64_t blocks_per_row,
+                     int64_t row_start, int64_t row_end, const float *x, uint8_t *scratch,
+                     const float *bias, float *out, int scalar, int threads) {
+    row_x16_fn row = row_kernel_x16(kind, scalar);
+    if (!row) return -1;
+    int64_t cols = blocks_per_row * (kind == KIND_Q4_K || kind == KIND_Q5_K || kind == KIND_Q6_K ? QK_K : QK);
+    int16_t *xq = (int16_t *)scratch;
+    float *xd = (float *)(xq + cols);
+    int32_t *xs = (int32_t *)(xd + cols / QK);
+    quantize_x(x, cols, xq, xd, xs);
+    int64_t rows = row_end - row_start;
+#ifdef _OPENMP
+    if (threads > 1 && rows > 1) {
+        if (threads > rows) threads = (int)rows;
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), n = omp_get_num_threads();
+            for (int64_t r = row_start + rows * t / n; r < row_start + rows * (t + 1) / n; r++) {
+                float v = row(blocks + r * row_bytes, blocks_per_row, xq, xd, xs);
+                out[r] = bias ? v + bias[r] : v;
+            }
+        }
+        return 0;
+    }
+#endif
+    (void)threads;
+    for (int64_t r = row_start; r < row_end; r++) {
+        float v = row(blocks + r * row_bytes, blocks_per_row, xq, xd, xs);
+        out[r] = bias ? v + bias[r] : v;
+    }
+    return 0;
+}
 
 typedef float (*row_fn)(const uint8_t *, int64_t, const float *);
 

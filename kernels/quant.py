@@ -7,8 +7,10 @@ scale: a half block for Q4/Q5, a sub-block for the k-quants), U = E / L groups p
 `QuantMatrix` holds one 2-D weight as its raw blocks (F, Q) uint8, validated once.
 `matvec(qm, x, out)` computes out (F,) = W (F, E) @ x (E,) [+ bias], decoding each block's
 weights in registers and accumulating `weight * x` in fp32, where `weight` is computed exactly as
-gguf.quants.dequantize computes it (same fp32 operations in the same order). Activations are
-never quantized. `dequantize_into(qm, out)` writes fp32 rows bit-identical to gguf's.
+gguf.quants.dequantize computes it (same fp32 operations in the same order); these numba
+kernels never quantize the activations. `dequantize_into(qm, out)` writes fp32 rows
+bit-identical to gguf's. The compiled kernels (QuantMatVec) can also round x to int16 first
+(`activations="int16"`, see ACTIVATIONS).
 
 The block layouts, the kernels and why they are shaped as they are: kernels/quant_cpu.py;
 measurements: docs/notes-quant.md. `QuantMatVec(qm)` binds one matrix for repeated one-row
@@ -269,6 +271,15 @@ def _load_library(path: Path = LIBRARY):
     if hasattr(lib, "quant_matvec_threads"):  # a library built before it has one thread only
         lib.quant_matvec_threads.argtypes = lib.quant_matvec.argtypes + [ctypes.c_int]
         lib.quant_matvec_threads.restype = ctypes.c_int
+    if hasattr(lib, "quant_matvec_x16"):  # a library built before it has fp32 activations only
+        lib.quant_x16_supports.argtypes = [ctypes.c_int]
+        lib.quant_x16_supports.restype = ctypes.c_int
+        lib.quant_x16_scratch_bytes.argtypes = [ctypes.c_int64]
+        lib.quant_x16_scratch_bytes.restype = ctypes.c_int64
+        lib.quant_matvec_x16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.quant_matvec_x16.restype = ctypes.c_int
     return lib, ""
 
 
@@ -276,6 +287,21 @@ _LIB, C_MISSING = _load_library()  # C_MISSING: why the C kernels are unavailabl
 C_SIMD = bool(_LIB is not None and _LIB.quant_simd())  # the library was built with AVX2 + FMA + F16C
 # the library splits rows over kernels.set_threads(n) OpenMP threads (built with -fopenmp)
 C_THREADS = bool(_LIB is not None and hasattr(_LIB, "quant_openmp") and _LIB.quant_openmp())
+
+
+# The activations of a one-row product (QuantMatVec(activations=...), EngineConfig.activations):
+# "fp32" multiplies the exactly decoded weights by x in fp32 (relative error ~1e-7); "int16" first
+# rounds x to int16 in runs of 32 (one fp32 scale each) and sums exact integer products of the
+# weights' codes (relative error ~3e-5 per product on random rows, 1.2-1.7x faster on the large
+# matrices here: docs/DECISIONS.md, "int16 activations").
+ACTIVATIONS = ("fp32", "int16")
+C_INT16 = bool(_LIB is not None and hasattr(_LIB, "quant_matvec_x16"))  # the library has the int16 kernels
+
+
+def c_int16_supports(qtype: str, scalar: bool = False) -> bool:
+    """Whether the library runs this ggml type with int16 activations: a SIMD kernel (or, with
+    `scalar`, the scalar one; without AVX2 the fp32-activation kernels are used instead)."""
+    return C_INT16 and bool(_LIB.quant_x16_supports(format_of(qtype).kind)) and (scalar or C_SIMD)
 
 
 def c_supports(qtype: str) -> bool:
@@ -295,14 +321,20 @@ class QuantMatVec:
 
     Runs quant.c's kernel with `backend="c"`, or with "auto" where the library has a SIMD kernel
     for the format (c_is_fast); else kernels.quant.matvec (numba). `scalar=True` forces the C library's scalar fallback (tests).
+    `activations="int16"` runs quant.c's int16-activation kernel where it has the format (see
+    ACTIVATIONS; `self.activations` says what runs), else the fp32 one.
     A call checks only x and out (~1 µs through ctypes). The C path splits the rows over
     kernels.set_threads(n) threads (OpenMP inside quant.c, C_THREADS), bit-identical for every n.
     """
 
-    def __init__(self, qm: QuantMatrix, bias=None, backend: str = "auto", scalar: bool = False):
+    def __init__(self, qm: QuantMatrix, bias=None, backend: str = "auto", scalar: bool = False,
+                 activations: str = "fp32"):
         if backend not in ("auto", "c", "numba"):
             raise ValueError(f"backend must be 'auto', 'c' or 'numba', got {backend!r}")
-        if backend == "c" and not c_supports(qm.qtype):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        int16 = activations == "int16" and backend != "numba" and c_int16_supports(qm.qtype, scalar)
+        if backend == "c" and not (int16 or c_supports(qm.qtype)):
             raise ValueError(f"no C kernel for {qm.qtype} ({C_MISSING or 'not in quant.c'}); use backend='numba'")
         self.qm = qm
         self.bias = None if bias is None else _check_vector(bias, qm.rows, "bias")
@@ -313,6 +345,13 @@ class QuantMatVec:
         self._head = (fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, 0, qm.rows)
         self._bias_ptr = None if self.bias is None else self.bias.ctypes.data
         self._scalar = int(scalar)
+        # "int16" where asked and the library has the format's int16 kernel, else fp32 (what runs)
+        self.activations = "int16" if int16 else "fp32"
+        if self.activations == "int16":
+            self.backend = "c"
+            # x's int16 codes, scales and sums, written by every call (allocated once, here)
+            self._scratch = np.empty(_LIB.quant_x16_scratch_bytes(qm.cols), np.uint8)
+            self._scratch_ptr = self._scratch.ctypes.data
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 (E,) numpy; out: C-contiguous float32 (F,) numpy, written and returned."""
@@ -329,7 +368,10 @@ class QuantMatVec:
     def call(self, x_ptr: int, out_ptr: int) -> None:
         """The C product on raw addresses of float32 x (E,) and out (F,) that the caller has checked."""
         count = threads()
-        if count > 1 and C_THREADS:
+        if self.activations == "int16":
+            _LIB.quant_matvec_x16(*self._head, x_ptr, self._scratch_ptr, self._bias_ptr, out_ptr, self._scalar,
+                                 count if C_THREADS else 1)
+        elif count > 1 and C_THREADS:
             _LIB.quant_matvec_threads(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar, count)
         else:
             _LIB.quant_matvec(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar)

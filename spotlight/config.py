@@ -218,11 +218,15 @@ def default_home() -> Path:
 
 WEIGHTS = ("quantized", "fp32")  # EngineConfig.weights
 QUANTIZE = ("q8_0",)  # EngineConfig.quantize
+ACTIVATIONS = ("int16", "fp32")  # EngineConfig.activations (kernels.quant.ACTIVATIONS, the kernels' names)
 # What each choice costs, in the words of `--help` and the Settings tab (SmolLM2-135M's numbers:
 # docs/notes-quant.md).
 WEIGHTS_HELP = ("a GGUF's weights: quantized (default) decodes from the file's blocks, no fp32 copy (~1/5 of the "
                 "bytes per token, ~0.5 GB peak at load); fp32 first writes a dequantised copy (~4x the GGUF on disk, "
                 "a slower first start, ~1.7 GB peak) and reads ~5x the bytes per token")
+ACTIVATIONS_HELP = ("a quantized model's one-row products: int16 (default) rounds each decode step's input to int16 "
+                    "in runs of 32 and sums exact integer products, 1.2-1.7x faster on the large matrices (products "
+                    "move by ~3e-5 relative); fp32 multiplies the exact weights by the input in fp32")
 QUANTIZE_HELP = ("q8_0: quantize a Hugging Face model's linears at load (seconds; the load still peaks at the fp32 "
                  "size) so decode reads ~1/4 of the fp32 bytes per token; logits move by ~1e-2 relative (default: off)")
 
@@ -255,8 +259,15 @@ class EngineConfig:
     # the quantized kernels (~27 % of the fp32 bytes per token; load takes the quantization time
     # and peaks at the fp32 model's memory). None: fp32. GGUF models ignore it (already quantized).
     quantize: str | None = None
+    # The quantized kernels' activations in decode steps (ACTIVATIONS_HELP): "int16" rounds x to
+    # int16 in runs of 32 and sums exact integer products (kernels/quant.c; measured faster, its
+    # perplexity change in bench.quality, docs/DECISIONS.md); "fp32" keeps x in fp32. Prefill and
+    # fp32 models are unaffected.
+    activations: str = "int16"
 
     def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}; got {self.activations!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} or None; got {self.quantize!r}")
         if self.weights not in WEIGHTS:

@@ -92,13 +92,13 @@ class Engine:
         _, args = loading.load_config(source)
         tokenizer = loading.load_tokenizer(source)
         if quantizes(config, source):  # built from the GGUF's blocks, no fp32 copy (spotlight/quantized.py)
-            model, _ = build_quantized_model(source.gguf_file, args)
+            model, _ = build_quantized_model(source.gguf_file, args, config.activations)
         else:
             model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype],
                                 device=config.device)
         use_onerow_linear(model)  # decode steps' weight products on the one-row kernel (spotlight/onerow.py)
         if config.quantize == "q8_0" and source.gguf_file is None and wants_quantized(config):
-            quantize_to_q8_0(model)  # a Hugging Face model's linears into Q8_0 blocks (--quantize q8_0)
+            quantize_to_q8_0(model, config.activations)  # a Hugging Face model's linears into Q8_0 blocks
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
             spotlight = fitted_config(spotlight, args.max_seq_len, config.prefill_chunk)

@@ -72,7 +72,7 @@ class QuantLinear(nn.Module):
     anyway, e.g. the tied embedding) or the parts dequantised into the shared DequantBuffer."""
 
     def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None, scratch: DequantBuffer,
-                 dense: torch.Tensor | None = None, chunked: bool = False):
+                 dense: torch.Tensor | None = None, chunked: bool = False, activations: str = "fp32"):
         super().__init__()
         self.in_features = parts[0].cols
         self.out_features = sum(p.rows for p in parts)
@@ -82,8 +82,8 @@ class QuantLinear(nn.Module):
         bias_np = None if bias is None else self.bias.numpy()
         offsets = np.cumsum([0] + [p.rows for p in parts])
         # each part's product writes rows [start, end) of the output; bias sliced the same way
-        self._calls = [(QuantMatVec(p, None if bias_np is None else bias_np[s:e]), int(s), int(e))
-                       for p, s, e in zip(parts, offsets[:-1], offsets[1:])]
+        self._calls = [(QuantMatVec(p, None if bias_np is None else bias_np[s:e], activations=activations),
+                        int(s), int(e)) for p, s, e in zip(parts, offsets[:-1], offsets[1:])]
         self._c_only = all(bound.backend == "c" for bound, _, _ in self._calls)
         self.dense = dense
         self.scratch = scratch
@@ -97,6 +97,11 @@ class QuantLinear(nn.Module):
     @property
     def qtypes(self) -> tuple[str, ...]:
         return tuple(p.qtype for p in self.parts)
+
+    @property
+    def activations(self) -> tuple[str, ...]:
+        """What each part's one-row product runs with: "int16" or "fp32" (kernels.quant.ACTIVATIONS)."""
+        return tuple(bound.activations for bound, _, _ in self._calls)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" \
@@ -280,7 +285,8 @@ def _layer_parts(tensors: dict, args: ModelArgs, layer: int, module: str, permut
     return parts
 
 
-def use_quantized_linear(model: nn.Module, gguf_path: Path, args: ModelArgs) -> QuantizedSwap:
+def use_quantized_linear(model: nn.Module, gguf_path: Path, args: ModelArgs,
+                         activations: str = "fp32") -> QuantizedSwap:
     """Swap the linears of `model` (built from this GGUF's fp32 dequantisation) for QuantLinears
     reading the GGUF's blocks, in place. A module whose tensors have a type without a kernel stays
     fp32, with a logged notice naming the type. Raises CorruptTensor for a missing, truncated or
@@ -306,7 +312,7 @@ def use_quantized_linear(model: nn.Module, gguf_path: Path, args: ModelArgs) -> 
             log.warning("%s stays fp32: GGUF tensor %r is %s, which has no quantized kernel", path, error.tensor,
                         error.qtype)
             continue
-        setattr(parent, attr, QuantLinear(parts, old.bias, scratch, dense))
+        setattr(parent, attr, QuantLinear(parts, old.bias, scratch, dense, activations=activations))
         swapped.append(path)
         nbytes += sum(p.nbytes for p in parts)
     release_freed_memory()
@@ -377,7 +383,8 @@ def _layer_dense(tensors: dict, args: ModelArgs, layer: int, module: str, permut
     return torch.cat(parts)
 
 
-def build_quantized_model(gguf_path: Path, args: ModelArgs) -> tuple[nn.Module, QuantizedSwap]:
+def build_quantized_model(gguf_path: Path, args: ModelArgs, activations: str = "fp32"
+                          ) -> tuple[nn.Module, QuantizedSwap]:
     """The model straight from the GGUF, no fp32 copy of its weights: linears are QuantLinears on
     the file's memory-mapped blocks, the token embedding a QuantEmbedding (the tied output
     projection reads the same blocks), norms and biases fp32 from the file. A tensor whose type
@@ -422,7 +429,7 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs) -> tuple[nn.Module, 
                 notice(f"layers.{i}.{module}", error)
                 setattr(parent, attr, fp32_linear(_layer_dense(tensors, args, i, module, permuted), bias))
                 continue
-            setattr(parent, attr, QuantLinear(parts, bias, scratch))
+            setattr(parent, attr, QuantLinear(parts, bias, scratch, activations=activations))
             swapped.append(f"layers.{i}.{module}")
             nbytes += sum(p.nbytes for p in parts)
     model.norm.weight = nn.Parameter(_fp32_tensor(tensors, "output_norm.weight"), False)
@@ -437,7 +444,7 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs) -> tuple[nn.Module, 
     try:
         output = embedding if tied and embedding is not None else _matrix(
             tensors, EMBEDDING_TENSOR if tied else OUTPUT_TENSOR, args.vocab_size, args.dim)
-        model.output = QuantLinear([output], None, scratch, chunked=True)
+        model.output = QuantLinear([output], None, scratch, chunked=True, activations=activations)
         swapped.append("output")
         nbytes += output.nbytes
     except UnsupportedQuantType as error:
@@ -453,7 +460,7 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs) -> tuple[nn.Module, 
 QUANTIZE_MODULES = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
 
 
-def quantize_to_q8_0(model: nn.Module) -> QuantizedSwap:
+def quantize_to_q8_0(model: nn.Module, activations: str = "fp32") -> QuantizedSwap:
     """`--quantize q8_0` for a Hugging Face model: every layer linear and the output projection
     quantized at load into Q8_0 blocks (kernels.quant.quantize_q8_0, gguf's own bytes), in place.
     Decode reads the blocks with the same kernels as a GGUF's (~27 % of the fp32 bytes); prefill
@@ -474,7 +481,7 @@ def quantize_to_q8_0(model: nn.Module) -> QuantizedSwap:
             log.warning("%s stays fp32: %s", path, error)
             continue
         dense = old.weight.detach() if path == "output" and tied else None
-        setattr(parent, attr, QuantLinear([matrix], old.bias, scratch, dense))
+        setattr(parent, attr, QuantLinear([matrix], old.bias, scratch, dense, activations=activations))
         swapped.append(path)
         nbytes += matrix.nbytes
     release_freed_memory()

@@ -278,6 +278,97 @@ def test_c_real_smollm2_tensor(smollm2_tensors, name, qtype):
     assert relative_error(got, want) <= TOLERANCE, relative_error(got, want)
 
 
+# ------------------------------------------------------------------ int16 activations (quant.c)
+INT16_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")  # formats with an int16-activation kernel
+needs_simd = pytest.mark.skipif(not quant.C_SIMD, reason="the int16 kernels run where _quant.so has AVX2")
+
+
+def rounded_to_int16(x: np.ndarray) -> np.ndarray:
+    """x (E,) as the int16 kernels see it, in float64: each run of 32 rounded to int16 codes of one
+    fp32 scale max|x| / 32767 (numpy's rint is round-half-even, as nearbyintf in C)."""
+    runs = x.reshape(-1, QK_RUN).astype(np.float32)  # (E / 32, 32)
+    amax = np.abs(runs).max(axis=1, keepdims=True)  # (E / 32, 1)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
+    codes = np.clip(np.rint(runs * inverse), -32767, 32767)
+    return (codes * (amax / np.float32(32767)).astype(np.float32).astype(np.float64)).reshape(-1)
+
+
+QK_RUN = 32  # values per run of x that share one int16 scale (quant.c's QK)
+
+
+def assert_within_rounding(got: np.ndarray, weights: np.ndarray, x: np.ndarray) -> None:
+    """|got - W x| per row at most what rounding x can move it: each value moves by at most half a
+    code, max|x| of its run / 65,534, so row r by at most sum_c |W[r, c]| * that; plus the fp32
+    sums' TOLERANCE of the whole product."""
+    wide = weights.astype(np.float64)  # (F, E)
+    want = wide @ x.astype(np.float64)  # (F,)
+    half_code = np.repeat(np.abs(x.reshape(-1, QK_RUN)).max(axis=1), QK_RUN).astype(np.float64) / 65534  # (E,)
+    bound = np.abs(wide) @ half_code + TOLERANCE * np.linalg.norm(want)  # (F,)
+    excess = np.abs(got.astype(np.float64) - want) - bound
+    assert excess.max() <= 0, (excess.max(), bound[excess.argmax()])
+
+
+@needs_simd
+def test_int16_kernels_cover_the_formats():
+    assert tuple(f for f in SUPPORTED if quant.c_int16_supports(f)) == INT16_FORMATS
+    assert [quant.QuantMatVec(random_matrix(f, 3, 1), activations="int16").activations
+            for f in ("Q4_0", "Q5_1", "Q5_K")] == ["int16", "fp32", "fp32"]  # no int16 kernel: fp32 runs
+    with pytest.raises(ValueError, match="activations must be one of fp32, int16, got 'int8'"):
+        quant.QuantMatVec(random_matrix("Q8_0", 3, 1), activations="int8")
+
+
+@needs_simd
+@pytest.mark.parametrize("scalar", (False, True), ids=("simd", "scalar"))
+@pytest.mark.parametrize("blocks_per_row", BLOCKS_PER_ROW)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("qtype", INT16_FORMATS)
+def test_int16_matvec_is_the_exact_product_with_rounded_x(qtype, rows, blocks_per_row, scalar):
+    """Against the float64 product of gguf's weights with x rounded as the kernel rounds it: only
+    fp32 sums differ (TOLERANCE); against the product with x itself: within what the rounding
+    can move it."""
+    qm = random_matrix(qtype, rows, blocks_per_row, seed=rows * 10 + blocks_per_row)
+    weights = reference_weights(qm)
+    x, want = activations(weights, seed=1)  # (E,), (F,)
+    bound = quant.QuantMatVec(qm, backend="c", scalar=scalar, activations="int16")
+    got = bound(x, np.empty(qm.rows, np.float32))
+    assert bound.activations == "int16"
+    rounded = weights.astype(np.float64) @ rounded_to_int16(x)  # (F,)
+    assert relative_error(got, rounded) <= TOLERANCE, relative_error(got, rounded)
+    assert_within_rounding(got, weights, x)
+    assert relative_error(got, want) <= 1e-3, relative_error(got, want)  # measured 1.4e-5 to 5.4e-4 here
+
+
+@needs_simd
+@pytest.mark.skipif(not quant.C_THREADS, reason="kernels/_quant.so built without OpenMP (rebuild: make setup)")
+@pytest.mark.parametrize("rows", (1, 37, 38))
+@pytest.mark.parametrize("qtype", INT16_FORMATS)
+def test_int16_one_and_two_threads_give_the_same_bits(qtype, rows, two_threads):
+    qm = random_matrix(qtype, rows, 5, seed=rows)
+    x = np.random.default_rng(4).standard_normal(qm.cols).astype(np.float32)  # (E,)
+    bias = np.random.default_rng(5).standard_normal(qm.rows).astype(np.float32)  # (F,)
+    bound = quant.QuantMatVec(qm, bias, activations="int16")
+    two = bound(x, np.empty(qm.rows, np.float32))
+    kernels.set_threads(1)
+    one = bound(x, np.empty(qm.rows, np.float32))
+    np.testing.assert_array_equal(one.view(np.uint32), two.view(np.uint32))
+    assert relative_error(one, reference_weights(qm).astype(np.float64) @ rounded_to_int16(x) + bias) <= TOLERANCE
+
+
+@needs_simd
+def test_int16_zero_and_extreme_runs():
+    """A run of zeros (scale 0) contributes nothing; a run holding one huge value and tiny ones
+    keeps the huge one's product (the tiny ones round to 0 codes, as the rounding says)."""
+    qm = random_matrix("Q8_0", 7, 3, seed=9)
+    x = np.zeros(qm.cols, np.float32)  # (E,)
+    x[32:64] = 1e-6
+    x[40] = 1e4
+    got = quant.QuantMatVec(qm, activations="int16")(x, np.empty(qm.rows, np.float32))
+    weights = reference_weights(qm).astype(np.float64)
+    assert relative_error(got, weights @ rounded_to_int16(x)) <= TOLERANCE
+    assert_within_rounding(got, reference_weights(qm), x)
+
+
 @pytest.fixture(scope="module")
 def scalar_library(tmp_path_factory):
     """quant.c built without -march=native: no AVX2, so the scalar kernels and the hand-written

@@ -17,8 +17,9 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from kernels import quant
 from kernels.quant import CorruptTensor
-from spotlight import loading
+from spotlight import config, loading
 from spotlight.attention import DenseDecode
 from spotlight.cache import KVCache
 from spotlight.config import EngineConfig
@@ -151,6 +152,23 @@ def test_tiny_gguf_swaps_every_linear_and_decodes_as_fp32(tiny_pair):
     want_prefill, want_steps = run(fp32, prompt, [5, 77, 200])
     got_prefill, got_steps = run(quantized, prompt, [5, 77, 200])
     # prefill dequantises into the shared buffer: gguf's exact weights, so torch's exact result
+    assert torch.equal(got_prefill, want_prefill)
+    errors = [relative(got, want) for got, want in zip(got_steps, want_steps)]
+    assert max(errors) <= RELATIVE_TOLERANCE, errors
+
+
+@pytest.mark.skipif(not quant.C_SIMD, reason="the int16 kernels run where kernels/_quant.so has AVX2")
+def test_tiny_gguf_decodes_with_int16_activations_close_to_fp32(tiny_pair):
+    """activations="int16": every part's one-row product rounds x to int16 first; the decode
+    steps' logits stay within the same tolerance of the fp32 model, and prefill is untouched."""
+    fp32, _, _, path = tiny_pair
+    quantized = copy.deepcopy(fp32)
+    use_quantized_linear(quantized, path, fp32.args, activations="int16")
+    modules = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
+    assert {a for m in modules for a in m.activations} == {"int16"}
+    prompt = torch.arange(3, 40)  # (T,)
+    want_prefill, want_steps = run(fp32, prompt, [5, 77, 200])
+    got_prefill, got_steps = run(quantized, prompt, [5, 77, 200])
     assert torch.equal(got_prefill, want_prefill)
     errors = [relative(got, want) for got, want in zip(got_steps, want_steps)]
     assert max(errors) <= RELATIVE_TOLERANCE, errors
@@ -294,6 +312,13 @@ def test_tensor_of_another_shape_raises_corrupt_tensor_naming_it(tiny_pair):
         use_quantized_linear(copy.deepcopy(fp32), path, wider)
 
 
+def test_engine_config_validates_activations():
+    assert EngineConfig().activations == "int16" and EngineConfig(activations="fp32").activations == "fp32"
+    assert set(config.ACTIVATIONS) == set(quant.ACTIVATIONS)  # the engine's names are the kernels'
+    with pytest.raises(ValueError, match="activations must be one of int16, fp32; got 'int8'"):
+        EngineConfig(activations="int8")
+
+
 def test_engine_config_validates_weights():
     assert EngineConfig().weights == "quantized" and EngineConfig(weights="fp32").weights == "fp32"
     with pytest.raises(ValueError, match="weights must be one of quantized, fp32; got 'int4'"):
@@ -337,6 +362,8 @@ def test_default_engine_decodes_quantized(engine, fp32_default):
     quantized = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) == 4 * engine.args.n_layers + 1
     assert {m.qtypes for m in quantized} == {("Q4_1", "Q4_1", "Q4_1"), ("Q4_1",), ("Q4_1", "Q4_1"), ("Q8_0",)}
+    if quant.C_SIMD:  # the default activations run wherever the library has its AVX2 kernels
+        assert {a for m in quantized for a in m.activations} == {engine.config.activations} == {"int16"}
     ids = engine.chat_ids(GREEDY_PROMPTS[0])
     _, want = run(fp32_default, torch.tensor(ids), [28, 1000, 5])
     _, got = run(engine.model, torch.tensor(ids), [28, 1000, 5])
