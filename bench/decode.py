@@ -29,6 +29,8 @@ from pathlib import Path
 
 from bench.common import ROOT, Target, finish, log, parser, peak_rss_mb
 
+DEFAULT_NAME = "smollm2-135m-instruct"  # the model the engine part measures without --model
+
 FULL = {"contexts": [1024, 4096, 8192], "new_tokens": 32, "repeats": 5}
 QUICK = {"contexts": [512, 1024], "new_tokens": 8, "repeats": 2}
 SETTLE_S = 1.0  # idle seconds before each measurement (OpenMP workers spin up to ~0.2 s after a parallel region)
@@ -92,9 +94,9 @@ class OursRunner:
 
 
 class TransformersRunner:
-    """transformers' `generate` on the same model, loaded and warmed up once."""
+    """transformers' `generate` on the same model (the default one only), loaded and warmed up once."""
 
-    def __init__(self):
+    def __init__(self, model: str | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,7 +106,7 @@ class TransformersRunner:
         from bench.spotlight_speed import weight_bytes
         from spotlight.config import ModelArgs
 
-        source = loading.resolve(None, default_home())  # fp32 weights: converted once if missing
+        source = loading.resolve(model, default_home())  # fp32 weights: converted once if missing
         self.model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
         self.weight_bytes = weight_bytes(self.model)
@@ -146,10 +148,12 @@ class LlamaCppRunner:
     repetition each (the worker's turns give the repeats). NOTE: llama-cpp-python is not used:
     it cannot be imported here (its llama_cache module needs `diskcache`, not installed)."""
 
-    def __init__(self, n_ctx: int):
-        from spotlight.loading import default_gguf
+    def __init__(self, n_ctx: int, model: str | None = None):
+        from spotlight import loading
+        from spotlight.config import default_home
 
-        self.gguf = default_gguf()
+        self.source = loading.resolve(model, default_home(), fp32_weights=False)
+        self.gguf = self.source.gguf_file
         self.measure(WARM_UP_TOKENS + 2, 2)  # the same warm-up as ours
 
     def _bench(self, prompt: int, gen: int, depth: int) -> dict:
@@ -172,9 +176,8 @@ class LlamaCppRunner:
     @functools.cache
     def kv_bytes_per_token(self) -> int:
         from spotlight import loading
-        from spotlight.config import default_home
 
-        _, args = loading.load_config(loading.resolve(None, default_home(), fp32_weights=False))
+        _, args = loading.load_config(self.source)
         return kv_bytes_per_token(args, 2)
 
     def peak_rss_mb(self) -> float:
@@ -186,17 +189,19 @@ class LlamaCppRunner:
 
 _RUNNER = None  # the worker process's runner (see `Worker`)
 RUNNERS = {  # Worker kind -> how its process builds the runner (n_ctx: the longest context + room)
-    "ours": lambda n_ctx: OursRunner("quantized", 1),
-    "ours-2t": lambda n_ctx: OursRunner("quantized", 2),
-    "ours-fp32": lambda n_ctx: OursRunner("fp32", 1),
-    "transformers": lambda n_ctx: TransformersRunner(),
+    "ours": lambda n_ctx, model: OursRunner("quantized", 1, model, "int16"),
+    "ours-2t": lambda n_ctx, model: OursRunner("quantized", 2, model, "int16"),
+    "ours-fp32act": lambda n_ctx, model: OursRunner("quantized", 1, model, "fp32"),
+    "ours-fp32act-2t": lambda n_ctx, model: OursRunner("quantized", 2, model, "fp32"),
+    "ours-fp32": lambda n_ctx, model: OursRunner("fp32", 1, model),
+    "transformers": lambda n_ctx, model: TransformersRunner(model),
     "llama.cpp": LlamaCppRunner,
 }
 
 
-def _start_runner(kind: str, n_ctx: int) -> None:
+def _start_runner(kind: str, n_ctx: int, model: str | None) -> None:
     global _RUNNER
-    _RUNNER = RUNNERS[kind](n_ctx)
+    _RUNNER = RUNNERS[kind](n_ctx, model)
 
 
 def _measure(n: int, new_tokens: int) -> dict:
@@ -211,10 +216,10 @@ def _runner_peak_rss_mb() -> float:
 class Worker:
     """One engine in its own long-lived process (so each peak RSS is its own), measured on request."""
 
-    def __init__(self, kind: str, n_ctx: int = 0):
+    def __init__(self, kind: str, n_ctx: int = 0, model: str | None = None):
         self.kind = kind
         self._pool = futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_start_runner, initargs=(kind, n_ctx))
+                                                 initializer=_start_runner, initargs=(kind, n_ctx, model))
 
     def measure(self, n: int, new_tokens: int) -> dict:
         time.sleep(SETTLE_S)  # the other engine's OpenMP threads spin a while after its last run
@@ -253,12 +258,17 @@ OURS_KINDS = {  # --weights -> our workers; the first is "ours" of the ours/tran
     "fp32": ("ours-fp32",),
 }
 OURS_KINDS["both"] = OURS_KINDS["quantized"] + OURS_KINDS["fp32"]
+FP32_ACTIVATION_KINDS = ("ours-fp32act", "ours-fp32act-2t")[: len(KERNEL_THREADS)]  # --activations both
 PATHS = {"ours": "ours quantized, 1 kernel thread", "ours-2t": "ours quantized, 2 kernel threads",
+         "ours-fp32act": "ours quantized, fp32 activations, 1 kernel thread",
+         "ours-fp32act-2t": "ours quantized, fp32 activations, 2 kernel threads",
          "ours-fp32": "ours fp32, 1 kernel thread", "transformers": "transformers", "llama.cpp": "llama.cpp"}
 LLAMA_CPP_TARGETS = {1024: 1.2, 8192: 1.5}  # issue #20: decode ours / llama.cpp at least this
+# issue #20: Qwen2.5-Coder-0.5B-Instruct decodes at least this many tokens/s at 1K (--model)
+MODEL_TPS_TARGETS = {"qwen2.5-coder-0.5b-instruct": (1024, 25.0)}
 
 
-def engine_part(sizes: dict, weights: str = "quantized"):
+def engine_part(sizes: dict, weights: str = "quantized", model: str | None = None, activations: str = "int16"):
     """Every engine stays loaded in its own process and they take turns on each context, `repeats`
     times in alternating order; each side's fastest prefill and decode of a context count, so a
     slow spell of the shared machine lands on all and drops out of the ratios. One row per
@@ -268,9 +278,14 @@ def engine_part(sizes: dict, weights: str = "quantized"):
 
     bandwidth = max(measure_bandwidth().values())  # bytes/s, before any engine loads
     ours = OURS_KINDS[weights]
-    kinds = list(ours) + ["transformers"] + (["llama.cpp"] if llama_bench_available() else [])
+    if weights != "fp32":  # the quantized rows' activations: int16 (the default), fp32, or both
+        quantized, fp32 = tuple(k for k in ours if k != "ours-fp32"), tuple(k for k in ours if k == "ours-fp32")
+        ours = {"int16": quantized, "fp32": FP32_ACTIVATION_KINDS,
+                "both": quantized + FP32_ACTIVATION_KINDS}[activations] + fp32
+    # transformers needs the model's fp32 Hugging Face copy: made for the default model only
+    kinds = list(ours) + (["transformers"] if model is None else []) + (["llama.cpp"] if llama_bench_available() else [])
     n_ctx = max(sizes["contexts"]) + sizes["new_tokens"] + 8
-    workers = [Worker(kind, n_ctx) for kind in kinds]
+    workers = [Worker(kind, n_ctx, model) for kind in kinds]
     try:
         best: dict[tuple[str, int], dict] = {}
         for n in sizes["contexts"]:
@@ -285,8 +300,9 @@ def engine_part(sizes: dict, weights: str = "quantized"):
         for worker in workers:
             worker.close()
     rows = []
+    nan = {"prefill_tps": float("nan"), "decode_tps": float("nan")}
     for n in sizes["contexts"]:
-        hf, cpp = best["transformers", n], best.get(("llama.cpp", n))
+        hf, cpp = best.get(("transformers", n), nan), best.get(("llama.cpp", n))
         for kind in kinds:
             m = best[kind, n]
             floor_s = m["bytes_per_token"] / bandwidth
@@ -302,20 +318,28 @@ def engine_part(sizes: dict, weights: str = "quantized"):
         return next(r for r in rows if r["context"] == n and r["path"] == PATHS[kind])
 
     lead = ours[0]
-    targets = [Target(f"decode ours/transformers at {n}", row_of(lead, n)["decode / transformers"], 1.0)
-               for n in sizes["contexts"]]
-    targets += [Target(f"prefill ours/transformers at {n}", row_of(lead, n)["prefill / transformers"], 1.0)
-                for n in sizes["contexts"]]
-    first = sizes["contexts"][0]
-    targets.append(Target(f"decode ours/transformers at {first} (short context)",
-                          row_of(lead, first)["decode / transformers"], 1.5))
+    targets = []
+    if "transformers" in kinds:
+        targets += [Target(f"decode ours/transformers at {n}", row_of(lead, n)["decode / transformers"], 1.0)
+                    for n in sizes["contexts"]]
+        targets += [Target(f"prefill ours/transformers at {n}", row_of(lead, n)["prefill / transformers"], 1.0)
+                    for n in sizes["contexts"]]
+        first = sizes["contexts"][0]
+        targets.append(Target(f"decode ours/transformers at {first} (short context)",
+                              row_of(lead, first)["decode / transformers"], 1.5))
+    name = model or DEFAULT_NAME
+    if name in MODEL_TPS_TARGETS and MODEL_TPS_TARGETS[name][0] in sizes["contexts"]:
+        n, goal = MODEL_TPS_TARGETS[name]
+        best_kind = max(ours, key=lambda kind: row_of(kind, n)["decode tok/s"])
+        targets.append(Target(f"{name} decode tok/s at {n} ({PATHS[best_kind]})", row_of(best_kind, n)["decode tok/s"],
+                              goal))
     if "llama.cpp" in kinds:
         for n, goal in LLAMA_CPP_TARGETS.items():
             if n in sizes["contexts"]:
                 ratio = max(row_of(kind, n)["decode / llama.cpp"] for kind in ours)
                 targets.append(Target(f"decode ours (best of {', '.join(ours)})/llama.cpp at {n}", ratio, goal))
     notes = (
-        f"SmolLM2-135M-Instruct (the packaged GGUF), paths: {', '.join(PATHS[k] for k in kinds)}; greedy, "
+        f"{name} (the packaged GGUF), paths: {', '.join(PATHS[k] for k in kinds)}; greedy, "
         f"{sizes['new_tokens']} new tokens per context, plain-text prompt; "
         f"each engine first runs once on {WARM_UP_TOKENS} tokens (one-time kernel set-up, not measured). "
         f"Each engine runs in its own process, loaded once; they take turns on each context, "
@@ -336,14 +360,29 @@ def main(argv=None):
     p.add_argument("--part", choices=["all", "engine", "spotlight"], default="all", help="which comparison to run")
     p.add_argument("--weights", choices=list(OURS_KINDS), default="quantized",
                    help="part engine: our engine's weights (both: quantized and fp32 side by side)")
+    p.add_argument("--activations", choices=["int16", "fp32", "both"], default="int16",
+                   help="part engine: the quantized rows' activations (default int16, as the app; both: side by side)")
+    p.add_argument("--contexts", help="part engine: comma-separated context lengths (default: "
+                   f"{','.join(map(str, FULL['contexts']))}; --quick {','.join(map(str, QUICK['contexts']))})")
+    p.add_argument("--repeats", type=int, help=f"part engine: turns per context (default {FULL['repeats']})")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="part engine: a packaged model's name (default: the default model; transformers runs for "
+                        "the default only, its fp32 copy being made once)")
     args = p.parse_args(argv)
     # Each part keeps its own RESULTS.md section, so running one part never erases the other's.
     part_args = argparse.Namespace(**{**vars(args), "json": None})
     docs = []
     if args.part in ("all", "engine"):
-        rows, targets, notes = engine_part(QUICK if args.quick else FULL, args.weights)
-        docs.append(finish("decode-engine", part_args, rows, targets, command="decode --part engine",
-                           title="Decode speed: our engine vs transformers", notes=notes))
+        sizes = dict(QUICK if args.quick else FULL)
+        if args.contexts:
+            sizes["contexts"] = [int(n) for n in args.contexts.split(",")]
+        if args.repeats:
+            sizes["repeats"] = args.repeats
+        rows, targets, notes = engine_part(sizes, args.weights, args.model, args.activations)
+        section, title = ("decode-engine", "Decode speed: our engine vs transformers") if args.model is None else \
+            (f"decode-engine-{args.model}", f"Decode speed: {args.model}, our engine vs llama.cpp")
+        docs.append(finish(section, part_args, rows, targets, command="decode --part engine" + (
+            f" --model {args.model}" if args.model else ""), title=title, notes=notes))
     if args.part in ("all", "spotlight"):
         from bench.spotlight_speed import spotlight_part
 

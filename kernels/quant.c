@@ -693,3 +693,124 @@ int quant_openmp(void) {
     return 0;
 #endif
 }
+
+/* ============================================================ one decode step's block (issue #20)
+
+   A decode step spends as long in the framework's small operations around the matrix products
+   (norms, rope, residuals, the MLP's activation, one call per product) as in the products
+   themselves (Qwen2.5-0.5B: ~21 ms of ~55 ms per token at 2 threads, docs/DECISIONS.md). These two
+   calls do a block's work around its attention in C: quant_decode_head before it (norm, the
+   q/k/v products, rope) and quant_decode_tail after it (output product, residual, norm, the MLP,
+   residual). Each product's rows, over all its parts, are split over `threads` OpenMP threads in
+   one parallel region. The arithmetic is the model's (spotlight/model.py): the same fp32
+   operations in the same order, except that sums (the norm's mean of squares, the products) run
+   in this file's order. */
+
+typedef struct {
+    int32_t kind;            /* KIND_* */
+    int32_t x16;             /* 1: int16 activations (quant_matvec_x16), 0: fp32 (quant_matvec) */
+    const uint8_t *blocks;   /* rows * row_bytes */
+    int64_t row_bytes, blocks_per_row, rows;
+    const float *bias;       /* rows, or NULL */
+} quant_part;
+
+/* out[0 : sum of rows] = parts stacked row-wise @ x (+ their biases); every part has `cols`
+   columns. x is rounded to int16 once, into scratch, when a part asks for it. Returns 0, or -1 for
+   a part whose kind has no kernel of its activations. */
+static int parts_matvec(const quant_part *parts, int n_parts, int64_t cols, const float *x, uint8_t *scratch,
+                        float *out, int threads) {
+    enum { MAX_PARTS = 8 };
+    if (n_parts < 1 || n_parts > MAX_PARTS) return -1;
+    row_fn fp32_rows[MAX_PARTS];
+    row_x16_fn x16_rows[MAX_PARTS];
+    int64_t offset[MAX_PARTS + 1];
+    int any_x16 = 0;
+    offset[0] = 0;
+    for (int i = 0; i < n_parts; i++) {
+        fp32_rows[i] = parts[i].x16 ? 0 : row_kernel(parts[i].kind, 0);
+        x16_rows[i] = parts[i].x16 ? row_kernel_x16(parts[i].kind, 0) : 0;
+        if (!fp32_rows[i] && !x16_rows[i]) return -1;
+        any_x16 |= parts[i].x16;
+        offset[i + 1] = offset[i] + parts[i].rows;
+    }
+    int16_t *xq = (int16_t *)scratch;
+    float *xd = (float *)(xq + cols);
+    int32_t *xs = (int32_t *)(xd + cols / QK);
+    if (any_x16) quantize_x(x, cols, xq, xd, xs);
+    int64_t total = offset[n_parts];
+#ifdef _OPENMP
+    if (threads > total) threads = (int)total;
+#pragma omp parallel num_threads(threads > 1 ? threads : 1)
+#endif
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        int t = 0, n = 1;
+#endif
+        int64_t start = total * t / n, end = total * (t + 1) / n;
+        for (int i = 0; i < n_parts; i++) {
+            const quant_part *p = parts + i;
+            int64_t lo = start > offset[i] ? start : offset[i], hi = end < offset[i + 1] ? end : offset[i + 1];
+            for (int64_t r = lo; r < hi; r++) {
+                const uint8_t *rb = p->blocks + (r - offset[i]) * p->row_bytes;
+                float v = p->x16 ? x16_rows[i](rb, p->blocks_per_row, xq, xd, xs)
+                                 : fp32_rows[i](rb, p->blocks_per_row, x);
+                out[r] = p->bias ? v + p->bias[r - offset[i]] : v;
+            }
+        }
+    }
+    return 0;
+}
+
+/* out (dim,) = weight * (x * rsqrt(mean(x^2) + eps)), as spotlight/model.py RMSNorm (fp32); the
+   squares are summed in double, so the mean is the correctly rounded one torch's fp32 sum
+   approximates. */
+static void rms_norm(const float *x, const float *weight, float eps, int64_t dim, float *out) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < dim; i++) squares += (double)(x[i] * x[i]);
+    float scale = 1.0f / sqrtf((float)(squares / (double)dim) + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * scale);
+}
+
+/* Before a block's attention: h = norm(x); qkv = the q/k/v parts @ h (+ biases); the first
+   n_rope_heads heads of head_dim values (q's and k's) rotated by cos, sin (head_dim,) in the
+   rotate-half convention: v[i] * cos[i] + (-v[i + D/2] or v[i - D/2]) * sin[i]. `h` (dim,) and
+   `scratch` (quant_x16_scratch_bytes(dim)) are the caller's buffers. Returns 0 or -1. */
+int quant_decode_head(const float *x, int64_t dim, const float *norm_weight, float eps, const quant_part *qkv,
+                      int n_qkv, int n_rope_heads, int head_dim, const float *cos, const float *sin, float *h,
+                      uint8_t *scratch, float *out, int threads) {
+    rms_norm(x, norm_weight, eps, dim, h);
+    if (parts_matvec(qkv, n_qkv, dim, h, scratch, out, threads)) return -1;
+    int half = head_dim / 2;
+    for (int head = 0; head < n_rope_heads; head++) {
+        float *v = out + (int64_t)head * head_dim;
+        for (int i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] + (-b) * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+    return 0;
+}
+
+/* After a block's attention: out = x + wo @ attn; h = norm(out); [gate, up] = gate_up @ h;
+   out += down @ (silu(gate) * up), silu(g) = g / (1 + exp(-g)). gate_up's parts stack gate then
+   up (2 * width rows). Buffers: h (dim,), ff (2 * width,), act (width,), scratch
+   (quant_x16_scratch_bytes(max(dim, width))). Returns 0 or -1. */
+int quant_decode_tail(const float *x, int64_t dim, const float *attn, int64_t attn_dim, const quant_part *wo,
+                      int n_wo, const float *norm_weight, float eps, const quant_part *gate_up, int n_gate_up,
+                      int64_t width, const quant_part *down, int n_down, float *h, float *ff, float *act,
+                      uint8_t *scratch, float *out, int threads) {
+    if (parts_matvec(wo, n_wo, attn_dim, attn, scratch, h, threads)) return -1;
+    for (int64_t i = 0; i < dim; i++) out[i] = x[i] + h[i];
+    rms_norm(out, norm_weight, eps, dim, h);
+    if (parts_matvec(gate_up, n_gate_up, dim, h, scratch, ff, threads)) return -1;
+    for (int64_t i = 0; i < width; i++) {
+        float g = ff[i];
+        act[i] = g / (1.0f + expf(-g)) * ff[width + i];
+    }
+    if (parts_matvec(down, n_down, width, act, scratch, h, threads)) return -1;
+    for (int64_t i = 0; i < dim; i++) out[i] = out[i] + h[i];
+    return 0;
+}

@@ -280,7 +280,22 @@ def _load_library(path: Path = LIBRARY):
                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         lib.quant_matvec_x16.restype = ctypes.c_int
+    if hasattr(lib, "quant_decode_head"):  # a library built before it has no fused decode block
+        part, f32, i64, ptr, c_int = ctypes.POINTER(QuantPart), ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.quant_decode_head.argtypes = [ptr, i64, ptr, f32, part, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, c_int]
+        lib.quant_decode_head.restype = c_int
+        lib.quant_decode_tail.argtypes = [ptr, i64, ptr, i64, part, c_int, ptr, f32, part, c_int, i64, part, c_int,
+                                          ptr, ptr, ptr, ptr, ptr, c_int]
+        lib.quant_decode_tail.restype = c_int
     return lib, ""
+
+
+class QuantPart(ctypes.Structure):
+    """quant.c's quant_part: one QuantMatrix (and its bias) inside a fused product (QuantMatVec.part)."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("x16", ctypes.c_int32), ("blocks", ctypes.c_void_p),
+                ("row_bytes", ctypes.c_int64), ("blocks_per_row", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
 
 
 _LIB, C_MISSING = _load_library()  # C_MISSING: why the C kernels are unavailable ("" when loaded)
@@ -365,6 +380,14 @@ class QuantMatVec:
         self.call(x.ctypes.data, out.ctypes.data)
         return out
 
+    def part(self) -> QuantPart:
+        """This product as quant.c's quant_part (the C kernels only: backend "c", not scalar), for
+        the fused decode calls (kernels.quant.decode_head / decode_tail)."""
+        assert self.backend == "c" and not self._scalar, (self.backend, self._scalar)
+        kind, blocks, row_bytes, blocks_per_row, _, rows = self._head
+        return QuantPart(kind, int(self.activations == "int16"), blocks, row_bytes, blocks_per_row, rows,
+                         self._bias_ptr)
+
     def call(self, x_ptr: int, out_ptr: int) -> None:
         """The C product on raw addresses of float32 x (E,) and out (F,) that the caller has checked."""
         count = threads()
@@ -375,3 +398,31 @@ class QuantMatVec:
             _LIB.quant_matvec_threads(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar, count)
         else:
             _LIB.quant_matvec(*self._head, x_ptr, self._bias_ptr, out_ptr, self._scalar)
+
+
+# ------------------------------------------------------------- one decode step's block (quant.c)
+C_FUSED = bool(_LIB is not None and hasattr(_LIB, "quant_decode_head"))  # the library has the fused block
+
+
+def scratch_bytes(cols: int) -> int:
+    """Bytes of the int16 scratch a product over `cols` inputs needs (quant_x16_scratch_bytes)."""
+    return int(_LIB.quant_x16_scratch_bytes(cols))
+
+
+def decode_head(x_ptr, dim, norm_ptr, eps, qkv, n_qkv, rope_heads, head_dim, cos_ptr, sin_ptr, h_ptr, scratch_ptr,
+                out_ptr) -> None:
+    """quant.c's quant_decode_head on raw addresses the caller has checked (spotlight/quantized.py
+    FusedDecode): norm, the q/k/v parts (a QuantPart array), rope; on kernels.set_threads(n) threads."""
+    if _LIB.quant_decode_head(x_ptr, dim, norm_ptr, eps, qkv, n_qkv, rope_heads, head_dim, cos_ptr, sin_ptr, h_ptr,
+                              scratch_ptr, out_ptr, threads() if C_THREADS else 1):
+        raise ValueError("quant_decode_head: a part's format has no C kernel for its activations")
+
+
+def decode_tail(x_ptr, dim, attn_ptr, attn_dim, wo, n_wo, norm_ptr, eps, gate_up, n_gate_up, width, down, n_down,
+                h_ptr, ff_ptr, act_ptr, scratch_ptr, out_ptr) -> None:
+    """quant.c's quant_decode_tail on raw addresses the caller has checked: output product,
+    residual, norm, MLP, residual; on kernels.set_threads(n) threads."""
+    if _LIB.quant_decode_tail(x_ptr, dim, attn_ptr, attn_dim, wo, n_wo, norm_ptr, eps, gate_up, n_gate_up, width,
+                              down, n_down, h_ptr, ff_ptr, act_ptr, scratch_ptr, out_ptr,
+                              threads() if C_THREADS else 1):
+        raise ValueError("quant_decode_tail: a part's format has no C kernel for its activations")

@@ -37,7 +37,7 @@ from .generate import Context, ProgressFn, Step, prefill, stream
 from .model import Transformer, build_model
 from .observers import StepObserver
 from .onerow import use_onerow_linear
-from .quantized import build_quantized_model, quantize_to_q8_0
+from .quantized import build_quantized_model, quantize_to_q8_0, use_fused_decode
 from .tokens import PieceTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,6 +99,7 @@ class Engine:
         use_onerow_linear(model)  # decode steps' weight products on the one-row kernel (spotlight/onerow.py)
         if config.quantize == "q8_0" and source.gguf_file is None and wants_quantized(config):
             quantize_to_q8_0(model, config.activations)  # a Hugging Face model's linears into Q8_0 blocks
+        use_fused_decode(model)  # decode steps' block work in compiled calls where the linears allow
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:
             spotlight = fitted_config(spotlight, args.max_seq_len, config.prefill_chunk)

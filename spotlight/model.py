@@ -102,8 +102,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache, policy, mask=None, last_only: bool = False, observers=()) -> torch.Tensor:
         """(T, E), or with `last_only` (1, E): the last position's output only (every key and
         value still enters the cache). A decode step tells `observers` what it read."""
-        T = x.shape[0]
         q, k, v = self.project(x, cos, sin)
+        out = self.attend(q, k, v, cache, policy, mask, last_only, observers)  # (H, T or 1, D)
+        return self.wo(out.transpose(0, 1).reshape(out.shape[1], -1))  # (T or 1, E)
+
+    def attend(self, q, k, v, cache, policy, mask=None, last_only: bool = False, observers=()) -> torch.Tensor:
+        """The new tokens' post-RoPE q (H, T, D), k, v (Hkv, T, D) into the cache, and their
+        attention output (H, T, D), or (H, 1, D) for the last position with `last_only`."""
+        T = q.shape[1]
         cache.write(self.layer, k, v)
         policy.on_new_tokens(self.layer, q, k, cache)
         if T == 1:
@@ -117,7 +123,7 @@ class Attention(nn.Module):
             out = dense_decode(q[:, -1:], cache.keys(self.layer, T), cache.values(self.layer, T))  # (H, 1, D)
         else:
             out = causal_attention(q, cache.keys(self.layer, T), cache.values(self.layer, T), mask)  # (H, T, D)
-        return self.wo(out.transpose(0, 1).reshape(out.shape[1], -1))  # (T or 1, E)
+        return out
 
 
 def causal_attention(
@@ -221,9 +227,21 @@ class Block(nn.Module):
         self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        # A decode step's work around the attention in two compiled calls, where the block's
+        # linears all allow it (spotlight/quantized.py FusedDecode, set by use_fused_decode).
+        self.fused_decode = None
+
+    def use_fused_decode(self, fused) -> None:
+        """Run one-token fp32 CPU steps through `fused` (a FusedDecode of this block) or, with
+        None, through the modules."""
+        self.fused_decode = fused
 
     def forward(self, x, cos, sin, cache, policy, mask=None, last_only: bool = False, observers=()) -> torch.Tensor:
         """(T, E), or (1, E) for the last position with `last_only` (see Attention.forward)."""
+        fused = self.fused_decode
+        if fused is not None and fused.accepts(x):  # one token: the same arithmetic, compiled
+            q, k, v = fused.head(x, cos, sin)
+            return fused.tail(x, self.attention.attend(q, k, v, cache, policy, mask, last_only, observers))
         h = x[-1:] if last_only else x
         h = h + self.attention(self.attention_norm(x), cos, sin, cache, policy, mask, last_only, observers)
         return h + self.feed_forward(self.ffn_norm(h))

@@ -33,6 +33,7 @@ from kernels import quant
 from kernels.quant import CorruptTensor, QuantMatrix, QuantMatVec, UnsupportedQuantType
 
 from .config import ModelArgs
+from .model import RMSNorm
 
 log = logging.getLogger("spotlight")
 
@@ -148,6 +149,85 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtypes={self.qtypes}"
+
+
+class FusedDecode:
+    """A Block's one-token decode step around its attention in two compiled calls
+    (kernels.quant.decode_head: norm, q/k/v products, rope; decode_tail: output product,
+    residual, norm, MLP, residual), instead of ~40 framework operations and 7 product calls per
+    layer. The arithmetic is the modules' (spotlight/model.py Block), with sums in quant.c's order.
+    Every buffer is allocated here, once per block; a step's outputs are views of them, valid until
+    the block's next step. `eligible(block)` says whether a block can run so: its four linears are
+    QuantLinears on the C kernels and its norms fp32."""
+
+    def __init__(self, block):
+        attention, mlp = block.attention, block.feed_forward
+        self.heads, self.kv_heads, self.head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
+        self.dim, self.width = attention.wqkv.in_features, mlp.width
+        self.attn_dim = attention.wo.in_features
+        linears = (attention.wqkv, attention.wo, mlp.w_gate_up, mlp.w_down)
+        self._linears = linears  # their blocks and biases stay alive while the parts point at them
+        self._parts = [self._part_array(m) for m in linears]
+        self._norms = (block.attention_norm, block.ffn_norm)
+        self.qkv = torch.empty(attention.wqkv.out_features)  # ((H + 2 Hkv) * D,) q, k, v of the step
+        self.h = torch.empty(self.dim)  # (E,) the normed input, then each product's output
+        self.ff = torch.empty(2 * self.width)  # (2 F,) gate, up
+        self.act = torch.empty(self.width)  # (F,) silu(gate) * up
+        self.out = torch.empty(1, self.dim)  # (1, E) the block's output
+        self.scratch = np.empty(quant.scratch_bytes(max(self.dim, self.width, self.attn_dim)), np.uint8)
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self._q = self.qkv[:q].view(self.heads, 1, self.head_dim)  # (H, 1, D)
+        self._k = self.qkv[q:q + kv].view(self.kv_heads, 1, self.head_dim)  # (Hkv, 1, D)
+        self._v = self.qkv[q + kv:].view(self.kv_heads, 1, self.head_dim)  # (Hkv, 1, D)
+
+    @staticmethod
+    def eligible(block) -> bool:
+        attention, mlp = block.attention, block.feed_forward
+        linears = (attention.wqkv, attention.wo, mlp.w_gate_up, mlp.w_down)
+        return quant.C_FUSED and all(
+            isinstance(m, QuantLinear) and m._c_only and not any(b._scalar for b, _, _ in m._calls) for m in linears
+        ) and all(isinstance(n, RMSNorm) and n.weight.dtype == torch.float32 and n.weight.device.type == "cpu"
+                  for n in (block.attention_norm, block.ffn_norm)) and \
+            attention.wqkv.out_features == (attention.n_heads + 2 * attention.n_kv_heads) * attention.head_dim
+
+    @staticmethod
+    def _part_array(linear: "QuantLinear"):
+        parts = [bound.part() for bound, _, _ in linear._calls]
+        return (quant.QuantPart * len(parts))(*parts), len(parts)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """One token, fp32, on the CPU, no autograd: what the compiled calls compute."""
+        return x.shape == self.out.shape and x.dtype == torch.float32 and x.device.type == "cpu" \
+            and x.is_contiguous() and not torch.is_grad_enabled()
+
+    def head(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (1, E), cos, sin (1, D) -> post-RoPE q (H, 1, D), k, v (Hkv, 1, D)."""
+        cos, sin = cos.contiguous(), sin.contiguous()
+        (qkv, n), norm = self._parts[0], self._norms[0]
+        quant.decode_head(x.data_ptr(), self.dim, norm.weight.data_ptr(), norm.eps, qkv, n,
+                          self.heads + self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(),
+                          self.h.data_ptr(), self.scratch.ctypes.data, self.qkv.data_ptr())
+        return self._q, self._k, self._v
+
+    def tail(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x (1, E) the block's input, attn (H, 1, D) its attention output -> the block's output (1, E)."""
+        attn = attn.contiguous()
+        _, (wo, n_wo), (gate_up, n_gate_up), (down, n_down) = self._parts  # wqkv, wo, gate_up, down
+        norm = self._norms[1]
+        quant.decode_tail(x.data_ptr(), self.dim, attn.data_ptr(), self.attn_dim, wo, n_wo, norm.weight.data_ptr(),
+                          norm.eps, gate_up, n_gate_up, self.width, down, n_down, self.h.data_ptr(),
+                          self.ff.data_ptr(), self.act.data_ptr(), self.scratch.ctypes.data, self.out.data_ptr())
+        return self.out
+
+
+def use_fused_decode(model: nn.Module) -> int:
+    """Give every eligible block of `model` a FusedDecode (FusedDecode.eligible); returns how many."""
+    fused = 0
+    for block in model.layers:
+        if FusedDecode.eligible(block):
+            block.use_fused_decode(FusedDecode(block))
+            fused += 1
+    return fused
 
 
 @dataclass(frozen=True)

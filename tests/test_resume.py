@@ -92,7 +92,9 @@ def test_resumed_logits_equal_the_warm_cache_and_a_full_recompute(engine, tmp_pa
     resumed = next_logits(engine, resumed_context, ids)
     assert torch.equal(resumed, warm)
     scratch = scratch_logits(engine, ids)
-    assert (resumed - scratch).abs().max().item() <= 1e-4
+    # the held tokens' K/V came from decode steps, whose int16 activations move logits by up to
+    # ~2e-4 of their scale against a recompute by prefill (tests/test_quantized.py)
+    assert (resumed - scratch).abs().max().item() <= 5e-4 * scratch.abs().max().item()
     assert resumed.argmax() == scratch.argmax()
     second.close()
 
