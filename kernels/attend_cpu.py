@@ -13,6 +13,9 @@ the selected rows in place, prefetching them ahead of use (random rows defeat th
 prefetcher), in ~0.1 ms. Over contiguous rows it streams K and V once at ~1.3x a one-thread
 read where SDPA ran at ~2x (MKL's small GEMMs on this AMD CPU).
 
+The same two functions run kernels/attend.c (AVX2, built into kernels/_quant.so by `make setup`)
+where the geometry fits (c_attend_fits); the numba kernels below are the fallback and the check.
+
 Numerics: fp32 in, fp32 accumulators, online softmax per block of B rows. Scores are computed
 pre-scaled by log2(e) / sqrt(D), so probabilities are 2^(s - max), evaluated by range reduction
 and a degree-6 polynomial (relative error < 1.1e-7, about fp32 rounding) that LLVM vectorises;
@@ -193,6 +196,27 @@ if HAVE_NUMBA:
         _merge(stats, acc, splits, out)
 
 
+# ----------------------------------------------------------------------------- the C kernel
+# kernels/attend.c, built with quant.c into kernels/_quant.so by `make setup` (AVX2 + FMA); where
+# the library or its AVX2 build is missing, the numba kernels above run.
+from .quant import _LIB as _NATIVE  # noqa: E402  (the one compiled library of the CPU kernels)
+
+C_ATTEND = bool(_NATIVE is not None and hasattr(_NATIVE, "attend_available") and _NATIVE.attend_available())
+C_ATTEND_MAX_GROUP, C_ATTEND_MAX_DIM = 16, 256  # attend.c's MAX_GROUP and MAX_DIM
+if C_ATTEND:
+    import ctypes
+
+    _p, _i64 = ctypes.c_void_p, ctypes.c_int64
+    _NATIVE.attend_decode.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, ctypes.c_int, _p, _p, _p,
+                                      _p, ctypes.c_int]
+    _NATIVE.attend_decode.restype = ctypes.c_int
+
+
+def c_attend_fits(heads: int, hkv: int, dim: int) -> bool:
+    """Whether attend.c takes this geometry: G = H / Hkv and D within its limits, D a multiple of 8."""
+    return C_ATTEND and heads // hkv <= C_ATTEND_MAX_GROUP and dim % 8 == 0 and dim <= C_ATTEND_MAX_DIM
+
+
 # ----------------------------------------------------------------------------- scratch
 
 
@@ -237,18 +261,19 @@ def new_attend_scratch(heads: int, hkv: int, dim: int, workers: int | None = Non
 # ----------------------------------------------------------------------------- public functions
 
 
-def attend(q, k, v, n: int, out=None, scratch=None, *, jit: bool = True) -> np.ndarray:
-    """Exact attention of q (H, D) over rows [0, n) of k, v (Hkv, Ncap, D) -> float32 (H, D)."""
+def attend(q, k, v, n: int, out=None, scratch=None, *, jit: bool = True, native: bool = True) -> np.ndarray:
+    """Exact attention of q (H, D) over rows [0, n) of k, v (Hkv, Ncap, D) -> float32 (H, D).
+    `native=False` runs the numba kernel where the C one (kernels/attend.c) would (tests compare them)."""
     qa, ka, va = _check(q, k, v)
     if not 0 <= n <= ka.shape[1]:
         raise ValueError(f"n = {n} outside the cache's capacity {ka.shape[1]}")
     dest = _result(out, qa.shape)
     if not (jit and HAVE_NUMBA):
         return _reference(qa, ka[:, :n], va[:, :n], dest)
-    return _run(qa, ka, va, None, n, dest, scratch)
+    return _run(qa, ka, va, None, n, dest, scratch, native)
 
 
-def gather_attend(q, k, v, idx, out=None, scratch=None, *, jit: bool = True) -> np.ndarray:
+def gather_attend(q, k, v, idx, out=None, scratch=None, *, jit: bool = True, native: bool = True) -> np.ndarray:
     """Exact attention of q (H, D) over the rows idx (Hkv, K) int32 of k, v (Hkv, Ncap, D) -> (H, D).
 
     Rows may repeat or come in any order (each is weighted once per occurrence); they must be < Ncap.
@@ -264,17 +289,26 @@ def gather_attend(q, k, v, idx, out=None, scratch=None, *, jit: bool = True) -> 
         gathered = [np.take(ka[h], rows[h], axis=0) for h in range(ka.shape[0])]
         values = [np.take(va[h], rows[h], axis=0) for h in range(ka.shape[0])]
         return _reference(qa, np.stack(gathered), np.stack(values), dest)
-    return _run(qa, ka, va, rows, rows.shape[1], dest, scratch)
+    return _run(qa, ka, va, rows, rows.shape[1], dest, scratch, native)
 
 
-def _run(q, k, v, rows, count, dest, scratch):
+def _run(q, k, v, rows, count, dest, scratch, native=True):
     hkv, _, dim = k.shape
     buf = scratch if scratch is not None else new_attend_scratch(q.shape[0], hkv, dim)
     if not buf.fits(q.shape[0], hkv, dim):
         raise ValueError("scratch was made for other head counts or head dim: call make_attend_scratch again")
-    np.multiply(q.reshape(buf.scaled_q.shape), np.float32(math.log2(math.e) / math.sqrt(dim)), out=buf.scaled_q)
     workers = min(threads(), buf.scores.shape[0])
     splits = workers if count >= MIN_SPLIT_ROWS * workers else 1
+    if native and c_attend_fits(q.shape[0], hkv, dim) and k.strides == v.strides:
+        # kernels/attend.c: the same arithmetic, eight rows' scores per reduction (its header)
+        contiguous = rows is None
+        status = _NATIVE.attend_decode(
+            np.ascontiguousarray(q).ctypes.data, q.shape[0], hkv, dim, k.ctypes.data, v.ctypes.data,
+            k.strides[0] // 4, None if contiguous else rows.ctypes.data, 0 if contiguous else rows.shape[1], count,
+            splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data, dest.ctypes.data, workers)
+        assert status == 0, status  # c_attend_fits checked the geometry
+        return dest
+    np.multiply(q.reshape(buf.scaled_q.shape), np.float32(math.log2(math.e) / math.sqrt(dim)), out=buf.scaled_q)
     tags = ((0,) * buf.scaled_q.shape[1], (0,) * (dim // 8), (0,) * (dim % 8))  # compile-time G and D
     contiguous = rows is None
     rows = buf.dummy_rows if contiguous else rows

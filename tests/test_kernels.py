@@ -417,6 +417,37 @@ def test_attend_thread_split_gives_the_same_result(monkeypatch, count):
     np.testing.assert_allclose(several, one, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
+# Qwen2.5's geometry (G = 7) at 8K; the others reuse ATTENTION_CASES' compiled numba shapes (D = 24
+# takes attend.c's 8-wide remainder path, D = 128 two 64-wide passes)
+@pytest.mark.parametrize("heads,hkv,dim,capacity,n", [(14, 2, 64, 8200, 8193), (9, 3, 64, 700, 130),
+                                                      (8, 2, 128, 600, 77), (4, 4, 24, 300, 300)])
+def test_c_attention_equals_the_numba_kernel(heads, hkv, dim, capacity, n):
+    """kernels/attend.c (where it fits: G <= 16, D a multiple of 8) and the numba kernel compute the
+    same attention, contiguous and over gathered rows, on one and two threads."""
+    from kernels import attend_cpu
+
+    if not attend_cpu.c_attend_fits(heads, hkv, dim):
+        pytest.skip("kernels/_quant.so without the AVX2 attention kernel (make setup)")
+    rng = np.random.default_rng(n)
+    q, k, v = attention_inputs(rng, heads, hkv, dim, capacity, scale=3.0)
+    idx = np.sort(rng.integers(0, capacity, (hkv, 333)), axis=1).astype(np.int32)  # repeats allowed
+    for count in (1, 2):
+        kernels.set_threads(count)
+        try:
+            scratch = kernels.make_attend_scratch(q, k)
+            for native in (True, False):
+                dense = attend_cpu.attend(q, k, v, n, scratch=scratch, native=native)
+                rows = attend_cpu.gather_attend(q, k, v, idx, scratch=scratch, native=native)
+                if native:
+                    c_dense, c_rows = dense, rows
+            np.testing.assert_allclose(c_dense, dense, rtol=2e-6, atol=2e-6)
+            np.testing.assert_allclose(c_rows, rows, rtol=2e-6, atol=2e-6)
+        finally:
+            kernels.set_threads(1)
+    np.testing.assert_allclose(c_dense, ref_attend(q, k[:, :n], v[:, :n]), rtol=1e-5, atol=1e-5)
+
+
 def test_attend_rejects_bad_rows_and_shapes():
     q, k, v = attention_inputs(np.random.default_rng(0), 4, 2, 8, 20)
     with pytest.raises(ValueError, match=r"idx must lie in \[0, 20\)"):
