@@ -303,7 +303,7 @@ def _run(q, k, v, rows, count, dest, scratch, native=True):
         # kernels/attend.c: the same arithmetic, eight rows' scores per reduction (its header)
         contiguous = rows is None
         status = _NATIVE.attend_decode(
-            np.ascontiguousarray(q).ctypes.data, q.shape[0], hkv, dim, k.ctypes.data, v.ctypes.data,
+            q.ctypes.data, q.shape[0], hkv, dim, k.ctypes.data, v.ctypes.data,
             k.strides[0] // 4, None if contiguous else rows.ctypes.data, 0 if contiguous else rows.shape[1], count,
             splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data, dest.ctypes.data, workers)
         assert status == 0, status  # c_attend_fits checked the geometry

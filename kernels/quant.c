@@ -568,43 +568,6 @@ int64_t quant_x16_scratch_bytes(int64_t cols) {
     return (int64_t)sizeof(int16_t) * cols + (int64_t)(sizeof(float) + sizeof(int32_t)) * (cols / QK);
 }
 
-/* quant_matvec with x rounded to int16 first (into `scratch`, quant_x16_scratch_bytes(cols)
-   bytes, 4-byte aligned) and the rows split over `threads` OpenMP threads as
-   quant_matvec_threads does. x is rounded once, before the rows, so every split gives the same
-   bits. Returns 0, or -1 for a kind without an int16 kernel. */
-int quant_matvec_x16(int kind, const uint8_t *blocks, int64_t row_bytes, int64_t blocks_per_row,
-                     int64_t row_start, int64_t row_end, const float *x, uint8_t *scratch,
-                     const float *bias, float *out, int scalar, int threads) {
-    row_x16_fn row = row_kernel_x16(kind, scalar);
-    if (!row) return -1;
-    int64_t cols = blocks_per_row * (kind == KIND_Q4_K || kind == KIND_Q5_K || kind == KIND_Q6_K ? QK_K : QK);
-    int16_t *xq = (int16_t *)scratch;
-    float *xd = (float *)(xq + cols);
-    int32_t *xs = (int32_t *)(xd + cols / QK);
-    quantize_x(x, cols, xq, xd, xs);
-    int64_t rows = row_end - row_start;
-#ifdef _OPENMP
-    if (threads > 1 && rows > 1) {
-        if (threads > rows) threads = (int)rows;
-#pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), n = omp_get_num_threads();
-            for (int64_t r = row_start + rows * t / n; r < row_start + rows * (t + 1) / n; r++) {
-                float v = row(blocks + r * row_bytes, blocks_per_row, xq, xd, xs);
-                out[r] = bias ? v + bias[r] : v;
-            }
-        }
-        return 0;
-    }
-#endif
-    (void)threads;
-    for (int64_t r = row_start; r < row_end; r++) {
-        float v = row(blocks + r * row_bytes, blocks_per_row, xq, xd, xs);
-        out[r] = bias ? v + bias[r] : v;
-    }
-    return 0;
-}
-
 typedef float (*row_fn)(const uint8_t *, int64_t, const float *);
 
 /* The row kernel of `kind`: the SIMD one where compiled in, unless `scalar` asks for the fallback
@@ -715,10 +678,10 @@ typedef struct {
 } quant_part;
 
 /* out[0 : sum of rows] = parts stacked row-wise @ x (+ their biases); every part has `cols`
-   columns. x is rounded to int16 once, into scratch, when a part asks for it. Returns 0, or -1 for
-   a part whose kind has no kernel of its activations. */
+   columns. x is rounded to int16 once, into scratch, when a part asks for it. `scalar`: the
+   scalar kernels (tests). Returns 0, or -1 for a part whose kind has no kernel of its activations. */
 static int parts_matvec(const quant_part *parts, int n_parts, int64_t cols, const float *x, uint8_t *scratch,
-                        float *out, int threads) {
+                        float *out, int scalar, int threads) {
     enum { MAX_PARTS = 8 };
     if (n_parts < 1 || n_parts > MAX_PARTS) return -1;
     row_fn fp32_rows[MAX_PARTS];
@@ -727,8 +690,8 @@ static int parts_matvec(const quant_part *parts, int n_parts, int64_t cols, cons
     int any_x16 = 0;
     offset[0] = 0;
     for (int i = 0; i < n_parts; i++) {
-        fp32_rows[i] = parts[i].x16 ? 0 : row_kernel(parts[i].kind, 0);
-        x16_rows[i] = parts[i].x16 ? row_kernel_x16(parts[i].kind, 0) : 0;
+        fp32_rows[i] = parts[i].x16 ? 0 : row_kernel(parts[i].kind, scalar);
+        x16_rows[i] = parts[i].x16 ? row_kernel_x16(parts[i].kind, scalar) : 0;
         if (!fp32_rows[i] && !x16_rows[i]) return -1;
         any_x16 |= parts[i].x16;
         offset[i + 1] = offset[i] + parts[i].rows;
@@ -763,6 +726,21 @@ static int parts_matvec(const quant_part *parts, int n_parts, int64_t cols, cons
     return 0;
 }
 
+/* quant_matvec with x rounded to int16 first (into `scratch`, quant_x16_scratch_bytes(cols)
+   bytes, 4-byte aligned) and the rows split over `threads` OpenMP threads as
+   quant_matvec_threads does: parts_matvec over one part, rows [row_start, row_end). x is rounded
+   once, before the rows, so every split gives the same bits. Returns 0, or -1 for a kind without
+   an int16 kernel. */
+int quant_matvec_x16(int kind, const uint8_t *blocks, int64_t row_bytes, int64_t blocks_per_row,
+                     int64_t row_start, int64_t row_end, const float *x, uint8_t *scratch,
+                     const float *bias, float *out, int scalar, int threads) {
+    if (!row_kernel_x16(kind, scalar)) return -1;
+    quant_part part = {kind, 1, blocks + row_start * row_bytes, row_bytes, blocks_per_row, row_end - row_start,
+                       bias ? bias + row_start : 0};
+    int64_t cols = blocks_per_row * (kind == KIND_Q4_K || kind == KIND_Q5_K || kind == KIND_Q6_K ? QK_K : QK);
+    return row_end > row_start ? parts_matvec(&part, 1, cols, x, scratch, out + row_start, scalar, threads) : 0;
+}
+
 /* out (dim,) = weight * (x * rsqrt(mean(x^2) + eps)), as spotlight/model.py RMSNorm (fp32); the
    squares are summed in double, so the mean is the correctly rounded one torch's fp32 sum
    approximates. */
@@ -781,7 +759,7 @@ int quant_decode_head(const float *x, int64_t dim, const float *norm_weight, flo
                       int n_qkv, int n_rope_heads, int head_dim, const float *cos, const float *sin, float *h,
                       uint8_t *scratch, float *out, int threads) {
     rms_norm(x, norm_weight, eps, dim, h);
-    if (parts_matvec(qkv, n_qkv, dim, h, scratch, out, threads)) return -1;
+    if (parts_matvec(qkv, n_qkv, dim, h, scratch, out, 0, threads)) return -1;
     int half = head_dim / 2;
     for (int head = 0; head < n_rope_heads; head++) {
         float *v = out + (int64_t)head * head_dim;
@@ -802,15 +780,15 @@ int quant_decode_tail(const float *x, int64_t dim, const float *attn, int64_t at
                       int n_wo, const float *norm_weight, float eps, const quant_part *gate_up, int n_gate_up,
                       int64_t width, const quant_part *down, int n_down, float *h, float *ff, float *act,
                       uint8_t *scratch, float *out, int threads) {
-    if (parts_matvec(wo, n_wo, attn_dim, attn, scratch, h, threads)) return -1;
+    if (parts_matvec(wo, n_wo, attn_dim, attn, scratch, h, 0, threads)) return -1;
     for (int64_t i = 0; i < dim; i++) out[i] = x[i] + h[i];
     rms_norm(out, norm_weight, eps, dim, h);
-    if (parts_matvec(gate_up, n_gate_up, dim, h, scratch, ff, threads)) return -1;
+    if (parts_matvec(gate_up, n_gate_up, dim, h, scratch, ff, 0, threads)) return -1;
     for (int64_t i = 0; i < width; i++) {
         float g = ff[i];
         act[i] = g / (1.0f + expf(-g)) * ff[width + i];
     }
-    if (parts_matvec(down, n_down, width, act, scratch, h, threads)) return -1;
+    if (parts_matvec(down, n_down, width, act, scratch, h, 0, threads)) return -1;
     for (int64_t i = 0; i < dim; i++) out[i] = out[i] + h[i];
     return 0;
 }

@@ -140,6 +140,14 @@ def test_unpermute_rows_inverts_llama_cpp_permutation():
     assert np.array_equal(llama_cpp_permute(rows, 3)[unpermute_rows(24, 3)], rows)
 
 
+def against_fp32(quantized: Transformer, fp32: Transformer) -> tuple[bool, list[float]]:
+    """(prefill logits equal to the fp32 twin's bit for bit, each decode step's relative error)."""
+    prompt = torch.arange(3, 40)  # (T,)
+    want_prefill, want_steps = run(fp32, prompt, [5, 77, 200])
+    got_prefill, got_steps = run(quantized, prompt, [5, 77, 200])
+    return torch.equal(got_prefill, want_prefill), [relative(g, w) for g, w in zip(got_steps, want_steps)]
+
+
 def test_tiny_gguf_swaps_every_linear_and_decodes_as_fp32(tiny_pair):
     fp32, quantized, swap, _ = tiny_pair
     args = fp32.args
@@ -149,12 +157,9 @@ def test_tiny_gguf_swaps_every_linear_and_decodes_as_fp32(tiny_pair):
     assert swap.kept_fp32 == ()
     assert [m.qtypes for m in quantized.modules() if isinstance(m, QuantLinear)][:4] == [
         ("Q4_1", "Q8_0", "Q4_1"), ("Q5_0",), ("Q4_1", "Q4_1"), ("Q8_0",)]
-    prompt = torch.arange(3, 40)  # (T,)
-    want_prefill, want_steps = run(fp32, prompt, [5, 77, 200])
-    got_prefill, got_steps = run(quantized, prompt, [5, 77, 200])
     # prefill dequantises into the shared buffer: gguf's exact weights, so torch's exact result
-    assert torch.equal(got_prefill, want_prefill)
-    errors = [relative(got, want) for got, want in zip(got_steps, want_steps)]
+    prefill_equal, errors = against_fp32(quantized, fp32)
+    assert prefill_equal
     assert max(errors) <= RELATIVE_TOLERANCE, errors
 
 
@@ -167,11 +172,8 @@ def test_tiny_gguf_decodes_with_int16_activations_close_to_fp32(tiny_pair):
     use_quantized_linear(quantized, path, fp32.args, activations="int16")
     modules = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
     assert {a for m in modules for a in m.activations} == {"int16"}
-    prompt = torch.arange(3, 40)  # (T,)
-    want_prefill, want_steps = run(fp32, prompt, [5, 77, 200])
-    got_prefill, got_steps = run(quantized, prompt, [5, 77, 200])
-    assert torch.equal(got_prefill, want_prefill)
-    errors = [relative(got, want) for got, want in zip(got_steps, want_steps)]
+    prefill_equal, errors = against_fp32(quantized, fp32)
+    assert prefill_equal
     assert max(errors) <= RELATIVE_TOLERANCE, errors
 
 
