@@ -8,11 +8,16 @@
        out[h*G+g] = softmax(q[h*G+g] . k[h, rows] / sqrt(D)) @ v[h, rows]
 
    Why: the numba kernel computes each score as its own dot product and horizontal sum. Here
-   eight rows' scores come out of one transposing reduction, the tile's probabilities are
-   computed eight at a time, and V is accumulated in registers per query. Measured (12-01 20:15,
-   idle machine, best of 3 x 30 calls, 8K rows): Qwen2.5's geometry (14 / 2 heads, D 64) 1.47 vs
-   1.83 ms on 1 thread, 0.96 vs 1.09 ms on 2; SmolLM2's (9 / 3) 1.17 vs 1.09 and 0.49 vs 0.83;
-   at 1K 0.16 vs 0.23 ms. Still several times what the FMAs need: the next thing to look at.
+   two queries' scores over four rows come out of one transposing reduction (each K load feeds
+   both queries), the tile's max, probabilities and sum are computed eight at a time, and V is
+   accumulated in registers two queries at a time (each V load feeds both). Measured (12-01
+   20:15, idle machine, best of 3 x 30 calls, 8K rows), the one-query-at-a-time version of this
+   kernel against numba: Qwen2.5's geometry (14 / 2 heads, D 64) 1.47 vs 1.83 ms on 1 thread,
+   0.96 vs 1.09 ms on 2; SmolLM2's (9 / 3) 1.17 vs 1.09 and 0.49 vs 0.83; at 1K 0.16 vs 0.23 ms.
+   Pairing the queries (ad hoc, 12-01 22:15, CPU time of 1 thread, best of 9 x 40 calls, both
+   orders, while two other jobs shared the 2 cores): 1K rows 0.116-0.124 vs 0.145-0.147 ms, 8K
+   rows 0.97-1.04 vs 1.05-1.15 ms. At 8K the rows come from memory (8.4 MB per call for Qwen2.5),
+   so the kernel is within about 2x of reading them; at 1K it is still about 3x its FMA count.
 
    Numerics as attend_cpu.py: fp32, scores pre-scaled by log2(e) / sqrt(D), online softmax per
    tile with probabilities 2^(s - max) from the same range reduction and degree-6 polynomial
@@ -96,8 +101,45 @@ static void attend_run(const float *qs, int group, int64_t dim, const float *k, 
                 prefetch_row(v + ahead * dim, dim);
             }
         }
-        /* scores: eight rows per transposing reduction, the rest one by one */
-        for (int g = 0; g < group; g++) {
+        /* scores: two queries x four rows per transposing reduction (each K load feeds two
+           queries), an odd last query eight rows at a time, the rows past a multiple of 4 one by one */
+        int g = 0;
+        for (; g + 2 <= group; g += 2) {
+            const float *q0 = qs + g * dim, *q1 = q0 + dim;
+            int j = 0;
+            for (; j + 4 <= n; j += 4) {
+                const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
+                __m256 a[8] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                               _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int64_t c = 0; c < dim; c += 8) {
+                    __m256 x0 = _mm256_loadu_ps(q0 + c), x1 = _mm256_loadu_ps(q1 + c);
+                    __m256 r0 = _mm256_loadu_ps(k0 + c), r1 = _mm256_loadu_ps(k1 + c);
+                    __m256 r2 = _mm256_loadu_ps(k2 + c), r3 = _mm256_loadu_ps(k3 + c);
+                    a[0] = _mm256_fmadd_ps(x0, r0, a[0]);
+                    a[1] = _mm256_fmadd_ps(x0, r1, a[1]);
+                    a[2] = _mm256_fmadd_ps(x0, r2, a[2]);
+                    a[3] = _mm256_fmadd_ps(x0, r3, a[3]);
+                    a[4] = _mm256_fmadd_ps(x1, r0, a[4]);
+                    a[5] = _mm256_fmadd_ps(x1, r1, a[5]);
+                    a[6] = _mm256_fmadd_ps(x1, r2, a[6]);
+                    a[7] = _mm256_fmadd_ps(x1, r3, a[7]);
+                }
+                __m256 both = sums8(a);  /* lanes 0-3: query g, rows j..j+3; lanes 4-7: query g + 1 */
+                _mm_storeu_ps(&scores[g][j], _mm256_castps256_ps128(both));
+                _mm_storeu_ps(&scores[g + 1][j], _mm256_extractf128_ps(both, 1));
+            }
+            for (; j < n; j++) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                for (int64_t c = 0; c < dim; c += 8) {
+                    __m256 r = _mm256_loadu_ps(krow[j] + c);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), r, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + c), r, a1);
+                }
+                scores[g][j] = hsum8(a0);
+                scores[g + 1][j] = hsum8(a1);
+            }
+        }
+        for (; g < group; g++) {
             const float *qg = qs + g * dim;
             int j = 0;
             for (; j + 8 <= n; j += 8) {
@@ -124,27 +166,87 @@ static void attend_run(const float *qs, int group, int64_t dim, const float *k, 
                 scores[g][j] = hsum8(a);
             }
         }
-        /* online softmax update and V, one query at a time (its output row in registers, 64 at a time) */
-        for (int g = 0; g < group; g++) {
+        /* online softmax update per query: the tile's max and sum eight lanes at a time */
+        float rescale[MAX_GROUP];
+        for (g = 0; g < group; g++) {
             float *s = scores[g];
-            float top = stats[g];
-            for (int j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
-            float rescale = exp2_1(stats[g] - top);
-            float total = 0.0f;
+            __m256 m8 = _mm256_set1_ps(stats[g]);
             int j = 0;
-            for (; j + 8 <= n; j += 8) {
-                __m256 p = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+            for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+            float lanes[8];
+            _mm256_storeu_ps(lanes, m8);
+            float top = lanes[0];
+            for (int i = 1; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+            for (; j < n; j++) top = s[j] > top ? s[j] : top;
+            rescale[g] = exp2_1(stats[g] - top);
+            __m256 sum8 = _mm256_setzero_ps(), top8 = _mm256_set1_ps(top);
+            float total = 0.0f;
+            for (j = 0; j + 8 <= n; j += 8) {
+                __m256 p = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(s + j), top8));
                 _mm256_storeu_ps(s + j, p);
-                total += hsum8(p);
+                sum8 = _mm256_add_ps(sum8, p);
             }
             for (; j < n; j++) {
                 s[j] = exp2_1(s[j] - top);
                 total += s[j];
             }
-            stats[group + g] = stats[group + g] * rescale + total;
+            stats[group + g] = stats[group + g] * rescale[g] + hsum8(sum8) + total;
             stats[g] = top;
+        }
+        /* V: two queries' output rows 32 values at a time in registers (each V load feeds two
+           queries), an odd last query 64 at a time, the rest of D 8 at a time */
+        for (g = 0; g + 2 <= group; g += 2) {
+            const float *s0 = scores[g], *s1 = scores[g + 1];
+            float *out0 = acc + (int64_t)g * dim, *out1 = out0 + dim;
+            __m256 sc0 = _mm256_set1_ps(rescale[g]), sc1 = _mm256_set1_ps(rescale[g + 1]);
+            int64_t c0 = 0;
+            for (; c0 + 32 <= dim; c0 += 32) {
+                __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0), sc0);
+                __m256 o1 = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0 + 8), sc0);
+                __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0 + 16), sc0);
+                __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0 + 24), sc0);
+                __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0), sc1);
+                __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0 + 8), sc1);
+                __m256 p2 = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0 + 16), sc1);
+                __m256 p3 = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0 + 24), sc1);
+                for (int jj = 0; jj < n; jj++) {
+                    __m256 w0 = _mm256_broadcast_ss(s0 + jj), w1 = _mm256_broadcast_ss(s1 + jj);
+                    const float *vr = vrow[jj] + c0;
+                    __m256 x0 = _mm256_loadu_ps(vr), x1 = _mm256_loadu_ps(vr + 8);
+                    __m256 x2 = _mm256_loadu_ps(vr + 16), x3 = _mm256_loadu_ps(vr + 24);
+                    o0 = _mm256_fmadd_ps(w0, x0, o0);
+                    o1 = _mm256_fmadd_ps(w0, x1, o1);
+                    o2 = _mm256_fmadd_ps(w0, x2, o2);
+                    o3 = _mm256_fmadd_ps(w0, x3, o3);
+                    p0 = _mm256_fmadd_ps(w1, x0, p0);
+                    p1 = _mm256_fmadd_ps(w1, x1, p1);
+                    p2 = _mm256_fmadd_ps(w1, x2, p2);
+                    p3 = _mm256_fmadd_ps(w1, x3, p3);
+                }
+                _mm256_storeu_ps(out0 + c0, o0);
+                _mm256_storeu_ps(out0 + c0 + 8, o1);
+                _mm256_storeu_ps(out0 + c0 + 16, o2);
+                _mm256_storeu_ps(out0 + c0 + 24, o3);
+                _mm256_storeu_ps(out1 + c0, p0);
+                _mm256_storeu_ps(out1 + c0 + 8, p1);
+                _mm256_storeu_ps(out1 + c0 + 16, p2);
+                _mm256_storeu_ps(out1 + c0 + 24, p3);
+            }
+            for (; c0 < dim; c0 += 8) {
+                __m256 o = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0), sc0), p = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0), sc1);
+                for (int jj = 0; jj < n; jj++) {
+                    __m256 x = _mm256_loadu_ps(vrow[jj] + c0);
+                    o = _mm256_fmadd_ps(_mm256_broadcast_ss(s0 + jj), x, o);
+                    p = _mm256_fmadd_ps(_mm256_broadcast_ss(s1 + jj), x, p);
+                }
+                _mm256_storeu_ps(out0 + c0, o);
+                _mm256_storeu_ps(out1 + c0, p);
+            }
+        }
+        for (; g < group; g++) {
+            const float *s = scores[g];
             float *out = acc + (int64_t)g * dim;
-            __m256 scale = _mm256_set1_ps(rescale);
+            __m256 scale = _mm256_set1_ps(rescale[g]);
             int64_t c0 = 0;
             for (; c0 + 64 <= dim; c0 += 64) {  /* 64 output values in 8 registers over the tile's rows */
                 __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(out + c0), scale);
@@ -156,7 +258,7 @@ static void attend_run(const float *qs, int group, int64_t dim, const float *k, 
                 __m256 o6 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 48), scale);
                 __m256 o7 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 56), scale);
                 for (int jj = 0; jj < n; jj++) {
-                    __m256 w = _mm256_set1_ps(s[jj]);
+                    __m256 w = _mm256_broadcast_ss(s + jj);
                     const float *vr = vrow[jj] + c0;
                     o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), o0);
                     o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), o1);
@@ -178,7 +280,7 @@ static void attend_run(const float *qs, int group, int64_t dim, const float *k, 
             }
             for (; c0 < dim; c0 += 8) {  /* the rest, 8 at a time */
                 __m256 o = _mm256_mul_ps(_mm256_loadu_ps(out + c0), scale);
-                for (int jj = 0; jj < n; jj++) o = _mm256_fmadd_ps(_mm256_set1_ps(s[jj]), _mm256_loadu_ps(vrow[jj] + c0), o);
+                for (int jj = 0; jj < n; jj++) o = _mm256_fmadd_ps(_mm256_broadcast_ss(s + jj), _mm256_loadu_ps(vrow[jj] + c0), o);
                 _mm256_storeu_ps(out + c0, o);
             }
         }

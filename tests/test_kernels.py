@@ -418,10 +418,12 @@ def test_attend_thread_split_gives_the_same_result(monkeypatch, count):
 
 
 @pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
-# Qwen2.5's geometry (G = 7) at 8K; the others reuse ATTENTION_CASES' compiled numba shapes (D = 24
-# takes attend.c's 8-wide remainder path, D = 128 two 64-wide passes)
+# Qwen2.5's geometry (G = 7: three query pairs and one single) at 8K; the next three reuse
+# ATTENTION_CASES' compiled numba shapes (D = 24 takes the single query's 8-wide remainder, D = 128
+# two 64-wide passes); G = 2 with D = 40 takes the query pair's 8-wide remainder past 32
 @pytest.mark.parametrize("heads,hkv,dim,capacity,n", [(14, 2, 64, 8200, 8193), (9, 3, 64, 700, 130),
-                                                      (8, 2, 128, 600, 77), (4, 4, 24, 300, 300)])
+                                                      (8, 2, 128, 600, 77), (4, 4, 24, 300, 300),
+                                                      (8, 4, 40, 200, 101)])
 def test_c_attention_equals_the_numba_kernel(heads, hkv, dim, capacity, n):
     """kernels/attend.c (where it fits: G <= 16, D a multiple of 8) and the numba kernel compute the
     same attention, contiguous and over gathered rows, on one and two threads."""
