@@ -33,7 +33,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 # dequantised weight rounded as gguf rounds it (no fused multiply-add inside the weight).
 QUANT_SO := kernels/_quant.so
 
-$(QUANT_SO): kernels/quant.c kernels/attend.c
+$(QUANT_SO): kernels/quant.c kernels/attend.c kernels/attend_rows.h
 	cc -O3 -march=native -ffp-contract=off -fopenmp -shared -fPIC -o $@ kernels/quant.c kernels/attend.c -lm || echo "kernels/quant.c not built: the numba kernels will be used"
 
 setup: $(STAMP) $(QUANT_SO)

@@ -159,7 +159,8 @@ def gather(kv, idx, out=None):
 def attend(q, k, v, n: int, out=None, scratch=None):
     """Exact softmax attention of q (H, D) over rows [0, n) of k, v (Hkv, Ncap, D) -> (H, D).
 
-    Query head h * G + g reads KV head h. CPU: float32; out (H, D) float32 C-contiguous;
+    Query head h * G + g reads KV head h. CPU: q float32, k and v float32 or float16 (widened to
+    float32 as they are read); out (H, D) float32 C-contiguous;
     scratch: make_attend_scratch(q, k), reused every step.
     """
     return _pick(k).attend(q, k, v, n, out=out, scratch=scratch)

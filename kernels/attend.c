@@ -73,231 +73,49 @@ static inline __m256 sums8(const __m256 a[8]) {
     return _mm256_add_ps(lo, hi);
 }
 
-static inline void prefetch_row(const float *row, int64_t dim) {
-    for (int64_t c = 0; c < dim; c += 16) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
 }
 
-/* One run of one head: the G scaled queries qs (G, D) over `count` rows (row j at
-   k + rows[j] * D, or k + (first + j) * D when rows is NULL). Leaves per query the running max
-   stats[g], the sum of 2^(s - max) stats[G + g] and the unnormalised output acc (G, D). */
-static void attend_run(const float *qs, int group, int64_t dim, const float *k, const float *v, const int32_t *rows,
-                       int64_t first, int64_t count, float *stats, float *acc) {
-    float scores[MAX_GROUP][TILE];
-    const float *krow[TILE], *vrow[TILE];
-    for (int g = 0; g < group; g++) {
-        stats[g] = FLOAT_MIN;
-        stats[group + g] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)group * (size_t)dim);
-    for (int64_t t0 = 0; t0 < count; t0 += TILE) {
-        int n = count - t0 < TILE ? (int)(count - t0) : TILE;
-        for (int j = 0; j < n; j++) {
-            int64_t r = rows ? rows[t0 + j] : first + t0 + j;
-            krow[j] = k + r * dim;
-            vrow[j] = v + r * dim;
-            if (rows && t0 + j + PREFETCH_AHEAD < count) {  /* random rows: fetch ahead of use */
-                int64_t ahead = rows[t0 + j + PREFETCH_AHEAD];
-                prefetch_row(k + ahead * dim, dim);
-                prefetch_row(v + ahead * dim, dim);
-            }
-        }
-        /* scores: two queries x four rows per transposing reduction (each K load feeds two
-           queries), an odd last query eight rows at a time, the rows past a multiple of 4 one by one */
-        int g = 0;
-        for (; g + 2 <= group; g += 2) {
-            const float *q0 = qs + g * dim, *q1 = q0 + dim;
-            int j = 0;
-            for (; j + 4 <= n; j += 4) {
-                const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
-                __m256 a[8] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                               _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                for (int64_t c = 0; c < dim; c += 8) {
-                    __m256 x0 = _mm256_loadu_ps(q0 + c), x1 = _mm256_loadu_ps(q1 + c);
-                    __m256 r0 = _mm256_loadu_ps(k0 + c), r1 = _mm256_loadu_ps(k1 + c);
-                    __m256 r2 = _mm256_loadu_ps(k2 + c), r3 = _mm256_loadu_ps(k3 + c);
-                    a[0] = _mm256_fmadd_ps(x0, r0, a[0]);
-                    a[1] = _mm256_fmadd_ps(x0, r1, a[1]);
-                    a[2] = _mm256_fmadd_ps(x0, r2, a[2]);
-                    a[3] = _mm256_fmadd_ps(x0, r3, a[3]);
-                    a[4] = _mm256_fmadd_ps(x1, r0, a[4]);
-                    a[5] = _mm256_fmadd_ps(x1, r1, a[5]);
-                    a[6] = _mm256_fmadd_ps(x1, r2, a[6]);
-                    a[7] = _mm256_fmadd_ps(x1, r3, a[7]);
-                }
-                __m256 both = sums8(a);  /* lanes 0-3: query g, rows j..j+3; lanes 4-7: query g + 1 */
-                _mm_storeu_ps(&scores[g][j], _mm256_castps256_ps128(both));
-                _mm_storeu_ps(&scores[g + 1][j], _mm256_extractf128_ps(both, 1));
-            }
-            for (; j < n; j++) {
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                for (int64_t c = 0; c < dim; c += 8) {
-                    __m256 r = _mm256_loadu_ps(krow[j] + c);
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), r, a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + c), r, a1);
-                }
-                scores[g][j] = hsum8(a0);
-                scores[g + 1][j] = hsum8(a1);
-            }
-        }
-        for (; g < group; g++) {
-            const float *qg = qs + g * dim;
-            int j = 0;
-            for (; j + 8 <= n; j += 8) {
-                const float *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
-                const float *k4 = krow[j + 4], *k5 = krow[j + 5], *k6 = krow[j + 6], *k7 = krow[j + 7];
-                __m256 a[8] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                               _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                for (int64_t c = 0; c < dim; c += 8) {
-                    __m256 qv = _mm256_loadu_ps(qg + c);
-                    a[0] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a[0]);
-                    a[1] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a[1]);
-                    a[2] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a[2]);
-                    a[3] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a[3]);
-                    a[4] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + c), a[4]);
-                    a[5] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + c), a[5]);
-                    a[6] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + c), a[6]);
-                    a[7] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + c), a[7]);
-                }
-                _mm256_storeu_ps(&scores[g][j], sums8(a));
-            }
-            for (; j < n; j++) {
-                __m256 a = _mm256_setzero_ps();
-                for (int64_t c = 0; c < dim; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c), _mm256_loadu_ps(krow[j] + c), a);
-                scores[g][j] = hsum8(a);
-            }
-        }
-        /* online softmax update per query: the tile's max and sum eight lanes at a time */
-        float rescale[MAX_GROUP];
-        for (g = 0; g < group; g++) {
-            float *s = scores[g];
-            __m256 m8 = _mm256_set1_ps(stats[g]);
-            int j = 0;
-            for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
-            float lanes[8];
-            _mm256_storeu_ps(lanes, m8);
-            float top = lanes[0];
-            for (int i = 1; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
-            for (; j < n; j++) top = s[j] > top ? s[j] : top;
-            rescale[g] = exp2_1(stats[g] - top);
-            __m256 sum8 = _mm256_setzero_ps(), top8 = _mm256_set1_ps(top);
-            float total = 0.0f;
-            for (j = 0; j + 8 <= n; j += 8) {
-                __m256 p = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(s + j), top8));
-                _mm256_storeu_ps(s + j, p);
-                sum8 = _mm256_add_ps(sum8, p);
-            }
-            for (; j < n; j++) {
-                s[j] = exp2_1(s[j] - top);
-                total += s[j];
-            }
-            stats[group + g] = stats[group + g] * rescale[g] + hsum8(sum8) + total;
-            stats[g] = top;
-        }
-        /* V: two queries' output rows 32 values at a time in registers (each V load feeds two
-           queries), an odd last query 64 at a time, the rest of D 8 at a time */
-        for (g = 0; g + 2 <= group; g += 2) {
-            const float *s0 = scores[g], *s1 = scores[g + 1];
-            float *out0 = acc + (int64_t)g * dim, *out1 = out0 + dim;
-            __m256 sc0 = _mm256_set1_ps(rescale[g]), sc1 = _mm256_set1_ps(rescale[g + 1]);
-            int64_t c0 = 0;
-            for (; c0 + 32 <= dim; c0 += 32) {
-                __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0), sc0);
-                __m256 o1 = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0 + 8), sc0);
-                __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0 + 16), sc0);
-                __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0 + 24), sc0);
-                __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0), sc1);
-                __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0 + 8), sc1);
-                __m256 p2 = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0 + 16), sc1);
-                __m256 p3 = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0 + 24), sc1);
-                for (int jj = 0; jj < n; jj++) {
-                    __m256 w0 = _mm256_broadcast_ss(s0 + jj), w1 = _mm256_broadcast_ss(s1 + jj);
-                    const float *vr = vrow[jj] + c0;
-                    __m256 x0 = _mm256_loadu_ps(vr), x1 = _mm256_loadu_ps(vr + 8);
-                    __m256 x2 = _mm256_loadu_ps(vr + 16), x3 = _mm256_loadu_ps(vr + 24);
-                    o0 = _mm256_fmadd_ps(w0, x0, o0);
-                    o1 = _mm256_fmadd_ps(w0, x1, o1);
-                    o2 = _mm256_fmadd_ps(w0, x2, o2);
-                    o3 = _mm256_fmadd_ps(w0, x3, o3);
-                    p0 = _mm256_fmadd_ps(w1, x0, p0);
-                    p1 = _mm256_fmadd_ps(w1, x1, p1);
-                    p2 = _mm256_fmadd_ps(w1, x2, p2);
-                    p3 = _mm256_fmadd_ps(w1, x3, p3);
-                }
-                _mm256_storeu_ps(out0 + c0, o0);
-                _mm256_storeu_ps(out0 + c0 + 8, o1);
-                _mm256_storeu_ps(out0 + c0 + 16, o2);
-                _mm256_storeu_ps(out0 + c0 + 24, o3);
-                _mm256_storeu_ps(out1 + c0, p0);
-                _mm256_storeu_ps(out1 + c0 + 8, p1);
-                _mm256_storeu_ps(out1 + c0 + 16, p2);
-                _mm256_storeu_ps(out1 + c0 + 24, p3);
-            }
-            for (; c0 < dim; c0 += 8) {
-                __m256 o = _mm256_mul_ps(_mm256_loadu_ps(out0 + c0), sc0), p = _mm256_mul_ps(_mm256_loadu_ps(out1 + c0), sc1);
-                for (int jj = 0; jj < n; jj++) {
-                    __m256 x = _mm256_loadu_ps(vrow[jj] + c0);
-                    o = _mm256_fmadd_ps(_mm256_broadcast_ss(s0 + jj), x, o);
-                    p = _mm256_fmadd_ps(_mm256_broadcast_ss(s1 + jj), x, p);
-                }
-                _mm256_storeu_ps(out0 + c0, o);
-                _mm256_storeu_ps(out1 + c0, p);
-            }
-        }
-        for (; g < group; g++) {
-            const float *s = scores[g];
-            float *out = acc + (int64_t)g * dim;
-            __m256 scale = _mm256_set1_ps(rescale[g]);
-            int64_t c0 = 0;
-            for (; c0 + 64 <= dim; c0 += 64) {  /* 64 output values in 8 registers over the tile's rows */
-                __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(out + c0), scale);
-                __m256 o1 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 8), scale);
-                __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 16), scale);
-                __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 24), scale);
-                __m256 o4 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 32), scale);
-                __m256 o5 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 40), scale);
-                __m256 o6 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 48), scale);
-                __m256 o7 = _mm256_mul_ps(_mm256_loadu_ps(out + c0 + 56), scale);
-                for (int jj = 0; jj < n; jj++) {
-                    __m256 w = _mm256_broadcast_ss(s + jj);
-                    const float *vr = vrow[jj] + c0;
-                    o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), o0);
-                    o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), o1);
-                    o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), o2);
-                    o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), o3);
-                    o4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 32), o4);
-                    o5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 40), o5);
-                    o6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 48), o6);
-                    o7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 56), o7);
-                }
-                _mm256_storeu_ps(out + c0, o0);
-                _mm256_storeu_ps(out + c0 + 8, o1);
-                _mm256_storeu_ps(out + c0 + 16, o2);
-                _mm256_storeu_ps(out + c0 + 24, o3);
-                _mm256_storeu_ps(out + c0 + 32, o4);
-                _mm256_storeu_ps(out + c0 + 40, o5);
-                _mm256_storeu_ps(out + c0 + 48, o6);
-                _mm256_storeu_ps(out + c0 + 56, o7);
-            }
-            for (; c0 < dim; c0 += 8) {  /* the rest, 8 at a time */
-                __m256 o = _mm256_mul_ps(_mm256_loadu_ps(out + c0), scale);
-                for (int jj = 0; jj < n; jj++) o = _mm256_fmadd_ps(_mm256_broadcast_ss(s + jj), _mm256_loadu_ps(vrow[jj] + c0), o);
-                _mm256_storeu_ps(out + c0, o);
-            }
-        }
-    }
-}
+/* The run over fp32 rows, and over fp16 rows (converted to fp32 as they are loaded, F16C). */
+#define ATTEND_RUN attend_run_f32
+#define ROW_T float
+#define LOAD_ROW(p) _mm256_loadu_ps(p)
+#define PREFETCH_ROW(p, dim) prefetch_row((const char *)(p), (dim) * 4)
+#include "attend_rows.h"
+#undef ATTEND_RUN
+#undef ROW_T
+#undef LOAD_ROW
+#undef PREFETCH_ROW
+
+#if defined(__F16C__)
+#define HAVE_F16_ROWS 1
+#define ATTEND_RUN attend_run_f16
+#define ROW_T uint16_t
+#define LOAD_ROW(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define PREFETCH_ROW(p, dim) prefetch_row((const char *)(p), (dim) * 2)
+#include "attend_rows.h"
+#undef ATTEND_RUN
+#undef ROW_T
+#undef LOAD_ROW
+#undef PREFETCH_ROW
+#else
+#define HAVE_F16_ROWS 0
+#endif
 
 /* out (H, D) = attention of q (H, D) over each KV head's rows: [0, count) when rows is NULL,
    else rows[h * rows_stride + 0 .. count). k, v: head h's row r at k + h * head_stride + r * D
    (head_stride for both). Each head's rows split into `splits` runs (one partial result each:
    stats (Hkv * splits, 2, G), acc (Hkv * splits, G, D), the caller's scratch), runs spread over
-   `threads` OpenMP threads. qs: the caller's (H, D) scratch for the scaled queries. Returns 0, or
-   -1 when G or D is out of range. */
-int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const float *k, const float *v,
+   `threads` OpenMP threads. qs: the caller's (H, D) scratch for the scaled queries. half: 0 when
+   k and v hold fp32 values, 1 when they hold fp16 words (head_stride and rows in elements
+   either way). Returns 0, or -1 when G or D is out of range or fp16 rows are not compiled in. */
+int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k, const void *v,
                   int64_t head_stride, const int32_t *rows, int64_t rows_stride, int64_t count, int splits,
-                  float *qs, float *stats, float *acc, float *out, int threads) {
+                  float *qs, float *stats, float *acc, float *out, int threads, int half) {
     int64_t group = heads / kv_heads;
     if (group < 1 || group > MAX_GROUP || dim % 8 || dim > MAX_DIM || splits < 1) return -1;
+    if (half && !HAVE_F16_ROWS) return -1;
     const float scale = (float)(1.4426950408889634 / sqrt((double)dim));  /* log2(e) / sqrt(D), as numpy rounds it */
     for (int64_t i = 0; i < heads * dim; i++) qs[i] = q[i] * scale;
     int64_t pieces = kv_heads * splits;
@@ -307,9 +125,17 @@ int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, 
     for (int64_t piece = 0; piece < pieces; piece++) {
         int64_t h = piece / splits, split = piece % splits;
         int64_t lo = count * split / splits, hi = count * (split + 1) / splits;
-        attend_run(qs + h * group * dim, (int)group, dim, k + h * head_stride, v + h * head_stride,
-                   rows ? rows + h * rows_stride + lo : NULL, lo, hi - lo, stats + piece * 2 * group,
-                   acc + piece * group * dim);
+        const int32_t *run_rows = rows ? rows + h * rows_stride + lo : NULL;
+        float *run_stats = stats + piece * 2 * group, *run_acc = acc + piece * group * dim;
+#if HAVE_F16_ROWS
+        if (half) {
+            attend_run_f16(qs + h * group * dim, (int)group, dim, (const uint16_t *)k + h * head_stride,
+                           (const uint16_t *)v + h * head_stride, run_rows, lo, hi - lo, run_stats, run_acc);
+            continue;
+        }
+#endif
+        attend_run_f32(qs + h * group * dim, (int)group, dim, (const float *)k + h * head_stride,
+                       (const float *)v + h * head_stride, run_rows, lo, hi - lo, run_stats, run_acc);
     }
     (void)threads;
     for (int64_t h = 0; h < kv_heads; h++) {  /* merge the runs (log-sum-exp in base 2) */
@@ -336,6 +162,8 @@ int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, 
 }
 
 int attend_available(void) { return 1; }
+int attend_f16_available(void) { return HAVE_F16_ROWS; }
 #else
 int attend_available(void) { return 0; }
+int attend_f16_available(void) { return 0; }
 #endif

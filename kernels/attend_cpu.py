@@ -16,7 +16,9 @@ read where SDPA ran at ~2x (MKL's small GEMMs on this AMD CPU).
 The same two functions run kernels/attend.c (AVX2, built into kernels/_quant.so by `make setup`)
 where the geometry fits (c_attend_fits); the numba kernels below are the fallback and the check.
 
-Numerics: fp32 in, fp32 accumulators, online softmax per block of B rows. Scores are computed
+Numerics: fp32 q; K/V rows fp32, or fp16 (an fp16 cache, EngineConfig.kv_dtype) widened to fp32
+as attend.c loads them (the numba fallback widens the rows it reads into a copy first); fp32
+accumulators, online softmax per block of B rows. Scores are computed
 pre-scaled by log2(e) / sqrt(D), so probabilities are 2^(s - max), evaluated by range reduction
 and a degree-6 polynomial (relative error < 1.1e-7, about fp32 rounding) that LLVM vectorises;
 results agree with torch SDPA to ~1e-7 relative. No infinities are relied upon (no `ninf`).
@@ -208,8 +210,10 @@ if C_ATTEND:
 
     _p, _i64 = ctypes.c_void_p, ctypes.c_int64
     _NATIVE.attend_decode.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, ctypes.c_int, _p, _p, _p,
-                                      _p, ctypes.c_int]
+                                      _p, ctypes.c_int, ctypes.c_int]
     _NATIVE.attend_decode.restype = ctypes.c_int
+# fp16 K/V rows read as they are (F16C); without it they are converted to fp32 before the kernel
+C_ATTEND_F16 = bool(C_ATTEND and hasattr(_NATIVE, "attend_f16_available") and _NATIVE.attend_f16_available())
 
 
 def c_attend_fits(heads: int, hkv: int, dim: int) -> bool:
@@ -299,15 +303,21 @@ def _run(q, k, v, rows, count, dest, scratch, native=True):
         raise ValueError("scratch was made for other head counts or head dim: call make_attend_scratch again")
     workers = min(threads(), buf.scores.shape[0])
     splits = workers if count >= MIN_SPLIT_ROWS * workers else 1
-    if native and c_attend_fits(q.shape[0], hkv, dim) and k.strides == v.strides:
-        # kernels/attend.c: the same arithmetic, eight rows' scores per reduction (its header)
+    half = k.dtype == np.float16
+    if native and c_attend_fits(q.shape[0], hkv, dim) and k.strides == v.strides and (C_ATTEND_F16 or not half):
+        # kernels/attend.c: the same arithmetic, two queries per row load (its header); fp16 rows
+        # are widened to fp32 as they are loaded
         contiguous = rows is None
         status = _NATIVE.attend_decode(
             q.ctypes.data, q.shape[0], hkv, dim, k.ctypes.data, v.ctypes.data,
-            k.strides[0] // 4, None if contiguous else rows.ctypes.data, 0 if contiguous else rows.shape[1], count,
-            splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data, dest.ctypes.data, workers)
+            k.strides[0] // k.itemsize, None if contiguous else rows.ctypes.data, 0 if contiguous else rows.shape[1],
+            count, splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data, dest.ctypes.data,
+            workers, int(half))
         assert status == 0, status  # c_attend_fits checked the geometry
         return dest
+    if half:  # the numba kernels read fp32: the rows read, widened once (a copy of count rows per head)
+        k, v = _widened(k, rows, count), _widened(v, rows, count)
+        rows = None
     np.multiply(q.reshape(buf.scaled_q.shape), np.float32(math.log2(math.e) / math.sqrt(dim)), out=buf.scaled_q)
     tags = ((0,) * buf.scaled_q.shape[1], (0,) * (dim // 8), (0,) * (dim % 8))  # compile-time G and D
     contiguous = rows is None
@@ -325,11 +335,20 @@ def _run(q, k, v, rows, count, dest, scratch, native=True):
     return dest
 
 
+def _widened(rows_of, rows, count) -> np.ndarray:
+    """fp32 copy (Hkv, count, D) of the rows [0, count) of rows_of (Hkv, Ncap, D), or of rows (Hkv, count)."""
+    if rows is None:
+        return rows_of[:, :count].astype(np.float32)
+    return np.stack([np.take(rows_of[h], rows[h], axis=0) for h in range(rows_of.shape[0])]).astype(np.float32)
+
+
 def _check(q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     qa, ka, va = as_numpy(q), as_numpy(k), as_numpy(v)
-    for name, a in (("q", qa), ("k", ka), ("v", va)):
-        if a.dtype != np.float32:
-            raise ValueError(f"{name} must be float32 on the CPU backend, got {a.dtype}")
+    if qa.dtype != np.float32:
+        raise ValueError(f"q must be float32 on the CPU backend, got {qa.dtype}")
+    for name, a in (("k", ka), ("v", va)):
+        if a.dtype not in (np.float32, np.float16) or a.dtype != ka.dtype:
+            raise ValueError(f"{name} must be float32 or float16 (k and v alike) on the CPU backend, got {a.dtype}")
     if qa.ndim != 2 or ka.ndim != 3 or ka.shape != va.shape or qa.shape[1] != ka.shape[2] or qa.shape[0] % ka.shape[0]:
         raise ValueError(f"need q (H, D), k and v (Hkv, Ncap, D) with Hkv | H; got {qa.shape}, {ka.shape}, {va.shape}")
     if not (ka[0].flags.c_contiguous and va[0].flags.c_contiguous) or ka.strides[1:] != va.strides[1:]:

@@ -10,8 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import (ACTIVATIONS, ACTIVATIONS_HELP, QUANTIZE, QUANTIZE_HELP, WEIGHTS, WEIGHTS_HELP, EngineConfig,
-                     SamplingConfig, SpotlightConfig, default_home)
+from .config import (ACTIVATIONS, ACTIVATIONS_HELP, KV_DTYPE_HELP, KV_DTYPES, QUANTIZE, QUANTIZE_HELP, WEIGHTS,
+                     WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home)
 from .errors import SpotlightError
 from .packaged import MODELS
 
@@ -56,6 +56,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     m.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights, help=WEIGHTS_HELP)
     m.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
     m.add_argument("--activations", choices=ACTIVATIONS, default=EngineConfig.activations, help=ACTIVATIONS_HELP)
+    m.add_argument("--kv-dtype", choices=KV_DTYPES, default=EngineConfig.kv_dtype, help=KV_DTYPE_HELP)
     m.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
                    help=f"tokens per prefill chunk (default: {EngineConfig.prefill_chunk})")
     a = p.add_argument_group("Spotlight attention")
@@ -78,7 +79,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _configs(args) -> tuple[EngineConfig, SamplingConfig, SpotlightConfig]:
     engine = EngineConfig(model_path=args.model, device=args.device, threads=args.threads,
                           kernel_threads=args.kernel_threads, weights=args.weights, quantize=args.quantize,
-                          activations=args.activations,
+                          activations=args.activations, kv_dtype=args.kv_dtype,
                           prefill_chunk=args.prefill_chunk, encoder_path=args.encoders,
                           packages_dir=os.environ.get("SPOTLIGHT_PACKAGES"))
     spotlight = SpotlightConfig(enabled=not args.no_spotlight, ratio=args.ratio, bits=args.bits)

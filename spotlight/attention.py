@@ -50,7 +50,7 @@ import kernels
 from .config import SpotlightConfig
 from .hashing import Encoders
 from .beyond import remapped_chunk, remapped_decode
-from .model import causal_attention, dense_decode, rope_inv_freq
+from .model import as_compute, causal_attention, dense_decode, rope_inv_freq
 from .positions import Rotations
 from .twolevel import TwoLevelConfig, TwoLevelScan
 
@@ -111,9 +111,10 @@ class DecodePolicy(Protocol):
 
 
 def fast_path(q: torch.Tensor, cache) -> bool:
-    """Whether the numba kernels serve this step: CPU, fp32 queries and cache, numba installed."""
+    """Whether the CPU kernels serve this step: CPU, fp32 queries, an fp32 or fp16 cache, numba
+    installed (kernels/attend.c reads fp16 rows as they are; the numba fallback widens them)."""
     return (kernels.cpu.HAVE_NUMBA and q.device.type == "cpu" and q.dtype == torch.float32
-            and cache.k.dtype == torch.float32)
+            and cache.k.dtype in (torch.float32, torch.float16))
 
 
 class Attend:
@@ -272,8 +273,8 @@ def sparse_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, idx
     H, _, D = q.shape
     Hkv = k_all.shape[0]
     idx = torch.as_tensor(idx, dtype=torch.long, device=k_all.device)  # (Hkv, K)
-    k_sel = torch.gather(k_all, 1, idx.unsqueeze(-1).expand(-1, -1, D))  # (Hkv, K, D)
-    v_sel = torch.gather(v_all, 1, idx.unsqueeze(-1).expand(-1, -1, D))  # (Hkv, K, D)
+    k_sel = as_compute(torch.gather(k_all, 1, idx.unsqueeze(-1).expand(-1, -1, D)), q)  # (Hkv, K, D)
+    v_sel = as_compute(torch.gather(v_all, 1, idx.unsqueeze(-1).expand(-1, -1, D)), q)  # (Hkv, K, D)
     out = F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k_sel[None], v_sel[None])  # (1, Hkv, G, D)
     return out.reshape(H, 1, D)  # a view on the CPU; CUDA's SDPA may return other strides
 
@@ -436,7 +437,7 @@ class OracleSelector(_Uncoded):
 
     def scores(self, q, cache, layer, n) -> torch.Tensor:
         H, _, D = q.shape
-        k = cache.k[layer, :, :n]  # (Hkv, N, D)
+        k = as_compute(cache.k[layer, :, :n], q)  # (Hkv, N, D)
         logits = q.view(k.shape[0], H // k.shape[0], D) @ k.transpose(1, 2) / D**0.5  # (Hkv, G, N)
         return logits.float().softmax(-1).sum(1)  # (Hkv, N)
 

@@ -41,14 +41,17 @@ def deltas(idx: torch.Tensor, base: int) -> torch.Tensor:
     return target - idx.to(torch.int64)  # (Hkv, K), >= 0 for an ascending selection below base
 
 
-def remapped_rows(k_all: torch.Tensor, v_all: torch.Tensor, idx, base: int, rotations: Rotations, local: int = 0):
-    """The selected rows idx (Hkv, K) of k_all, v_all (Hkv, Ncap, D), keys re-positioned: (Hkv, K, D) x2.
+def remapped_rows(k_all: torch.Tensor, v_all: torch.Tensor, idx, base: int, rotations: Rotations, local: int = 0,
+                  dtype: torch.dtype | None = None):
+    """The selected rows idx (Hkv, K) of k_all, v_all (Hkv, Ncap, D), keys re-positioned: (Hkv, K, D) x2,
+    in `dtype` (default the cache's: an fp16 cache's rows are widened before they are rotated).
     The last `local` columns are the local window ending at base - 1 (delta 0: not rotated)."""
     D = k_all.shape[-1]
+    dtype = dtype or k_all.dtype
     idx = torch.as_tensor(idx, device=k_all.device).to(torch.int64)  # (Hkv, K)
     rows = idx.unsqueeze(-1).expand(-1, -1, D)  # (Hkv, K, D)
-    k_sel = torch.gather(k_all, 1, rows)  # (Hkv, K, D)
-    v_sel = torch.gather(v_all, 1, rows)  # (Hkv, K, D)
+    k_sel = torch.gather(k_all, 1, rows).to(dtype)  # (Hkv, K, D)
+    v_sel = torch.gather(v_all, 1, rows).to(dtype)  # (Hkv, K, D)
     moved = idx.shape[1] - local
     k_sel[:, :moved] = rotations.rotate(k_sel[:, :moved], deltas(idx, base)[:, :moved], largest=base)
     return k_sel, v_sel
@@ -59,7 +62,7 @@ def remapped_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, i
     """q (H, 1, D) of the token at n - 1 over the re-positioned selection idx (Hkv, K), whose last
     `local` columns are the window ending at n - 1 -> (H, 1, D)."""
     H, _, D = q.shape
-    k_sel, v_sel = remapped_rows(k_all, v_all, idx, n, rotations, local)  # (Hkv, K, D) x2
+    k_sel, v_sel = remapped_rows(k_all, v_all, idx, n, rotations, local, q.dtype)  # (Hkv, K, D) x2
     Hkv = k_sel.shape[0]
     out = F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k_sel[None], v_sel[None])  # (1, Hkv, G, D)
     return out.reshape(H, 1, D)
@@ -71,9 +74,9 @@ def remapped_chunk(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, id
     selection idx (Hkv, K) among the first `past` tokens (the last `local` columns the window
     ending at past - 1) and causally over itself -> (H, T, D)."""
     T = q.shape[1]
-    k_sel, v_sel = remapped_rows(k_all, v_all, idx, past, rotations, local)  # (Hkv, K, D) x2
-    k = torch.cat([k_sel, k_all[:, past : past + T]], dim=1)  # (Hkv, K + T, D)
-    v = torch.cat([v_sel, v_all[:, past : past + T]], dim=1)  # (Hkv, K + T, D)
+    k_sel, v_sel = remapped_rows(k_all, v_all, idx, past, rotations, local, q.dtype)  # (Hkv, K, D) x2
+    k = torch.cat([k_sel, k_all[:, past : past + T].to(q.dtype)], dim=1)  # (Hkv, K + T, D)
+    v = torch.cat([v_sel, v_all[:, past : past + T].to(q.dtype)], dim=1)  # (Hkv, K + T, D)
     return causal_attention(q, k, v)  # (H, T, D)
 
 

@@ -219,6 +219,7 @@ def default_home() -> Path:
 WEIGHTS = ("quantized", "fp32")  # EngineConfig.weights
 QUANTIZE = ("q8_0",)  # EngineConfig.quantize
 ACTIVATIONS = ("int16", "fp32")  # EngineConfig.activations (kernels.quant.ACTIVATIONS, the kernels' names)
+KV_DTYPES = ("auto", "float32", "float16")  # EngineConfig.kv_dtype
 # What each choice costs, in the words of `--help` and the Settings tab (SmolLM2-135M's numbers:
 # docs/notes-quant.md).
 WEIGHTS_HELP = ("a GGUF's weights: quantized (default) decodes from the file's blocks, no fp32 copy (~1/5 of the "
@@ -227,6 +228,10 @@ WEIGHTS_HELP = ("a GGUF's weights: quantized (default) decodes from the file's b
 ACTIVATIONS_HELP = ("a quantized model's one-row products: int16 (default) rounds each decode step's input to int16 "
                     "in runs of 32 and sums exact integer products, 1.2-1.7x faster on the large matrices (products "
                     "move by ~3e-5 relative); fp32 multiplies the exact weights by the input in fp32")
+KV_DTYPE_HELP = ("how cached keys and values are kept, in memory and in the cache files: float16 takes half the "
+                 "memory and disk of float32 per token (each value rounds by at most ~5e-4 relative; every product "
+                 "and sum is still fp32; perplexity moved 4e-5 relative on SmolLM2); auto (default) is float16 on "
+                 "the CPU and the model's own dtype on a GPU")
 QUANTIZE_HELP = ("q8_0: quantize a Hugging Face model's linears at load (seconds; the load still peaks at the fp32 "
                  "size) so decode reads ~1/4 of the fp32 bytes per token; logits move by ~1e-2 relative (default: off)")
 
@@ -264,8 +269,25 @@ class EngineConfig:
     # perplexity change in bench.quality, docs/DECISIONS.md); "fp32" keeps x in fp32. Prefill and
     # fp32 models are unaffected.
     activations: str = "int16"
+    # How cached K/V rows are stored (KV_DTYPE_HELP): "float16" under fp32 compute halves the
+    # cache's memory and span files, the rows widened to fp32 as the attention kernels read them
+    # (kernels/attend.c); "auto" is float16 on the CPU, else dtype; "float32" keeps them as computed.
+    # A kv_dtype other than dtype is CPU only.
+    kv_dtype: str = "auto"
+
+    @property
+    def cache_dtype(self) -> str:
+        """The K/V dtype `kv_dtype` resolves to ("float32", "float16" or "bfloat16")."""
+        if self.kv_dtype == "auto":
+            return "float16" if self.device == "cpu" and self.dtype == "float32" else self.dtype
+        return self.kv_dtype
 
     def __post_init__(self):
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}")
+        if self.kv_dtype not in ("auto", self.dtype) and self.device != "cpu":
+            raise ValueError(f"kv_dtype {self.kv_dtype} differs from dtype {self.dtype}, which only the CPU "
+                             f"kernels read; use device cpu, or kv_dtype auto on {self.device}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}; got {self.activations!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE:

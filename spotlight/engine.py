@@ -108,7 +108,7 @@ class Engine:
             policy = SpotlightDecode(spotlight, CodeSelector(encoders.to(config.device)))
         for warning in warnings:
             log.warning(warning)
-        buffers = BufferPool(2 * kv_buffer_bytes(args, _DTYPES[config.dtype], _pool_tokens(config, args)))
+        buffers = BufferPool(2 * kv_buffer_bytes(args, kv_dtype(config, model), _pool_tokens(config, args)))
         return cls(config, args, model, tokenizer, source, policy, time.perf_counter() - started, tuple(warnings),
                    buffers, encoder_dirs(home))
 
@@ -183,8 +183,13 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V rows one cached token takes (every layer and KV head)."""
-        itemsize = self.model.tok_embeddings.weight.element_size()
+        itemsize = self.kv_dtype.itemsize
         return 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * itemsize
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """How the cache stores K/V rows (EngineConfig.kv_dtype: float16 on the CPU by default)."""
+        return kv_dtype(self.config, self.model)
 
     @property
     def memory_tokens(self) -> int:
@@ -208,7 +213,7 @@ class Engine:
 
     @property
     def fingerprints(self) -> Fingerprints:
-        dtype = str(self.model.tok_embeddings.weight.dtype).removeprefix("torch.")
+        dtype = str(self.kv_dtype).removeprefix("torch.")  # the stored spans' precision
         return Fingerprints(self.source.fingerprint, self.policy.encoder_fingerprint, dtype)
 
     @property
@@ -231,7 +236,7 @@ class Engine:
 
     def new_context(self, capacity: int = _INITIAL_CAPACITY) -> Context:
         """An empty Context with room for `capacity` tokens (it grows beyond)."""
-        cache = KVCache(self.args, capacity, dtype=self.model.tok_embeddings.weight.dtype,
+        cache = KVCache(self.args, capacity, dtype=self.kv_dtype,
                         device=self.config.device, code_words=self.policy.code_words, pool=self.buffers)
         return Context(cache)
 
@@ -319,6 +324,14 @@ class Engine:
             eos_ids=self.eos_ids, max_context=self.max_context, chunk=self.config.prefill_chunk,
             cancel=cancel, progress=progress, observers=observers,
         )
+
+
+def kv_dtype(config: EngineConfig, model) -> torch.dtype:
+    """The cache's K/V dtype (EngineConfig.cache_dtype: float16 on the CPU unless set); where that
+    is the compute dtype, the rows as the model computes them (its embedding's dtype)."""
+    if config.cache_dtype == config.dtype:
+        return model.tok_embeddings.weight.dtype
+    return _DTYPES[config.cache_dtype]
 
 
 def wants_quantized(config: EngineConfig) -> bool:

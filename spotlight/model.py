@@ -126,6 +126,12 @@ class Attention(nn.Module):
         return out
 
 
+def as_compute(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Cached rows in q's dtype: themselves, or a widened copy when the cache stores another
+    precision (an fp16 cache under fp32 compute, EngineConfig.kv_dtype)."""
+    return rows if rows.dtype == q.dtype else rows.to(q.dtype)
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -133,7 +139,9 @@ def causal_attention(
 
     mask: `chunk_mask(q, T, N - T)`, built once per forward and shared by the layers (made
     here when not given); not needed when the T tokens are the whole sequence, nor by the
-    split path (`_split_attention`) that fp32 chunks on the CPU take."""
+    split path (`_split_attention`) that fp32 chunks on the CPU take. An fp16 cache's k, v
+    (EngineConfig.kv_dtype) are widened to q's dtype first."""
+    k, v = as_compute(k, q), as_compute(v, q)
     T, N = q.shape[1], k.shape[1]
     past = N - T
     if past == 0:
@@ -204,6 +212,7 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     """
     H, _, D = q.shape
     Hkv = k.shape[0]
+    k, v = as_compute(k, q), as_compute(v, q)
     out = F.scaled_dot_product_attention(q.view(1, Hkv, H // Hkv, D), k[None], v[None])  # (1, Hkv, G, D)
     return out.reshape(H, 1, D)  # a view on the CPU; CUDA's SDPA may return other strides
 

@@ -85,8 +85,10 @@ def tiny_args(max_seq_len: int = 8192) -> ModelArgs:
 def tiny_engine(
     seed: int = 0, *, fingerprint: str | None = None, prefill_chunk: int = 64, spotlight: bool = False,
     encoder_seed: int | None = None, max_seq_len: int = 8192, dtype: torch.dtype = torch.float32,
+    kv_dtype: str = "auto",
 ) -> Engine:
-    """A random-weight engine; `fingerprint` defaults to one derived from the seed.
+    """A random-weight engine; `fingerprint` defaults to one derived from the seed; `kv_dtype` as
+    EngineConfig's (auto: an fp32 model's cache stores fp16 rows on the CPU).
 
     `spotlight=True` decodes with untrained 64-bit Spotlight codes (so spans carry key
     codes); `encoder_seed` (default `seed`) picks the encoders, hence their fingerprint.
@@ -104,4 +106,8 @@ def tiny_engine(
         encoders = Encoders(spec, seed=seed if encoder_seed is None else encoder_seed, model_fingerprint="tiny")
         policy = SpotlightDecode(config, CodeSelector(encoders))
     source = ModelSource(hf_dir=Path("."), origin="tiny-random", fingerprint=fingerprint or f"tiny-random-{seed}")
-    return Engine(EngineConfig(prefill_chunk=prefill_chunk), args, model, ByteTokenizer(), source, policy)
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.float64:  # a precision only tests use (span files refuse it): cached as computed
+        name, kv_dtype = "float32", "float32"
+    config = EngineConfig(prefill_chunk=prefill_chunk, dtype=name, kv_dtype=kv_dtype)
+    return Engine(config, args, model, ByteTokenizer(), source, policy)

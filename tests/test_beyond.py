@@ -162,7 +162,7 @@ def test_a_conversation_past_the_window_is_capped_by_what_memory_holds():
     KV_MEMORY_SHARE of the machine's memory; the refusal says that memory is the limit."""
     engine = tiny_engine(spotlight=True, max_seq_len=512)
     args = engine.args
-    assert engine.kv_bytes_per_token == 2 * args.n_layers * args.n_kv_heads * args.head_dim * 4  # fp32 K and V
+    assert engine.kv_bytes_per_token == 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2  # fp16 K and V (auto)
     assert (engine.memory_tokens, engine.memory_bound) == (
         int(KV_MEMORY_SHARE * physical_memory_bytes()) // engine.kv_bytes_per_token, False)
     huge = engine.with_spotlight(dataclasses.replace(engine.spotlight, max_context=10 * engine.memory_tokens))

@@ -70,7 +70,7 @@ def test_rows_round_trip_gives_the_same_next_token_logits(spotlight):
     original = filled(engine, 150)
     rows = original.rows(0, 150)
     assert rows.token_ids == ids_of(150) and len(rows) == 150
-    assert rows.k.shape == (2, 2, 150, 16) and rows.k.dtype == torch.float32
+    assert rows.k.shape == (2, 2, 150, 16) and rows.k.dtype == torch.float16  # kv_dtype auto on the CPU
     if spotlight:
         assert rows.key_codes.dtype == np.uint64 and rows.key_codes.shape == (2, 2, 1, 150)
         assert rows.code_summary.shape == (2, 2, 64)
@@ -115,14 +115,36 @@ def test_rows_are_copies():
     assert isinstance(rows, KVRows)
 
 
+@pytest.mark.parametrize("spotlight", [False, True])
+def test_an_fp16_cache_decodes_as_the_fp32_cache_within_its_rounding(spotlight):
+    """kv_dtype (auto = float16 on the CPU): the cache keeps K/V in half the bytes, its rows and
+    spans are fp16, and prefill + decode logits stay within fp16's rounding of the fp32 cache's;
+    the greedy reply is the same."""
+    half, full = tiny_engine(spotlight=spotlight), tiny_engine(spotlight=spotlight, kv_dtype="float32")
+    assert (half.kv_dtype, full.kv_dtype) == (torch.float16, torch.float32)
+    assert (half.kv_bytes_per_token, full.kv_bytes_per_token) == (2 * 2 * 2 * 16 * 2, 2 * 2 * 2 * 16 * 4)
+    assert (half.fingerprints.kv_dtype, full.fingerprints.kv_dtype) == ("float16", "float32")
+    a, b = filled(half, 170), filled(full, 170)
+    assert (a.cache.k.dtype, a.rows(0, 170).v.dtype, b.cache.k.dtype) == (torch.float16, torch.float16, torch.float32)
+    torch.testing.assert_close(a.rows(0, 170).k.float(), b.rows(0, 170).k, rtol=1e-3, atol=1e-3)  # fp16 rounding
+    logits_a, logits_b = next_logits(half, a), next_logits(full, b)
+    scale = logits_b.abs().max().item()
+    assert (logits_a - logits_b).abs().max().item() <= 2e-4 * scale  # measured 1.9-2.2e-5
+    replies = []
+    for engine in (half, full):
+        steps = list(engine.stream(engine.new_context(), ids_of(120), greedy(12)))
+        replies.append([s.token for s in steps if s.token is not None])
+    assert replies[0] == replies[1] and len(replies[0]) == 12
+
+
 # ----------------------------------------------------------------------------- which way it decodes
 
 
 def test_fingerprints_and_decode_mode():
     dense, sparse = tiny_engine(), tiny_engine(spotlight=True)
     expected = Encoders(EncoderSpec.for_model(sparse.args, 64), seed=0, model_fingerprint="tiny").fingerprint
-    assert dense.fingerprints == Fingerprints("tiny-random-0", "", "float32")
-    assert sparse.fingerprints == Fingerprints("tiny-random-0", expected, "float32")
+    assert dense.fingerprints == Fingerprints("tiny-random-0", "", "float16")  # kv_dtype auto on the CPU
+    assert sparse.fingerprints == Fingerprints("tiny-random-0", expected, "float16")
     assert (dense.decodes_densely, dense.spotlight) == (True, None)
     assert not sparse.decodes_densely
     assert sparse.spotlight == SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16)

@@ -450,6 +450,40 @@ def test_c_attention_equals_the_numba_kernel(heads, hkv, dim, capacity, n):
     np.testing.assert_allclose(c_dense, ref_attend(q, k[:, :n], v[:, :n]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("heads,hkv,dim,capacity,n", [(14, 2, 64, 8200, 8193), (8, 4, 40, 200, 101)])
+def test_fp16_rows_give_the_attention_of_their_fp32_values(heads, hkv, dim, capacity, n):
+    """An fp16 cache (EngineConfig.kv_dtype): attend.c widens each row as it loads it, the numba
+    fallback widens the rows it reads first; both give exactly the attention over the same
+    values stored as fp32, contiguous and gathered, on one and two threads."""
+    from kernels import attend_cpu
+
+    rng = np.random.default_rng(n)
+    q, k, v = attention_inputs(rng, heads, hkv, dim, capacity, scale=3.0)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    k32, v32 = k16.astype(np.float32), v16.astype(np.float32)  # the same values, stored as fp32
+    idx = np.sort(rng.integers(0, capacity, (hkv, 333)), axis=1).astype(np.int32)
+    for count in (1, 2):
+        kernels.set_threads(count)
+        try:
+            for native in (True, False):
+                np.testing.assert_array_equal(attend_cpu.attend(q, k16, v16, n, native=native),
+                                              attend_cpu.attend(q, k32, v32, n, native=native))
+                np.testing.assert_array_equal(attend_cpu.gather_attend(q, k16, v16, idx, native=native),
+                                              attend_cpu.gather_attend(q, k32, v32, idx, native=native))
+        finally:
+            kernels.set_threads(1)
+    assert attend_cpu.C_ATTEND_F16 == attend_cpu.C_ATTEND  # F16C comes with AVX2 on the machines we build for
+
+
+def test_attend_rejects_mixed_row_dtypes():
+    q, k, v = attention_inputs(np.random.default_rng(0), 4, 2, 8, 20)
+    with pytest.raises(ValueError, match="k and v alike"):
+        kernels.attend(q, k.astype(np.float16), v, 5)
+    with pytest.raises(ValueError, match="q must be float32"):
+        kernels.attend(q.astype(np.float16), k, v, 5)
+
+
 def test_attend_rejects_bad_rows_and_shapes():
     q, k, v = attention_inputs(np.random.default_rng(0), 4, 2, 8, 20)
     with pytest.raises(ValueError, match=r"idx must lie in \[0, 20\)"):
