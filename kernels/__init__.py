@@ -175,6 +175,14 @@ def gather_attend(q, k, v, idx, out=None, scratch=None):
     return _pick(k).gather_attend(q, k, v, idx, out=out, scratch=scratch)
 
 
+def remapped_attend(q, k, v, idx, base: int, moved: int, lo_table, hi_table, block: int, out=None, scratch=None):
+    """Attention of q (H, D) over the selection idx (Hkv, K) of k, v re-positioned past the model's
+    window (column j < moved rotated to position base - K + j; spotlight/beyond.py), the keys
+    rotated as they are read -> (H, D) float32; CPU only (kernels/attend.c), None where it
+    cannot run (then the caller's torch path does the same)."""
+    return _attend.remapped_attend(q, k, v, idx, base, moved, lo_table, hi_table, block, out=out, scratch=scratch)
+
+
 def make_attend_scratch(q, k):
     """Buffers of attend / gather_attend for q (H, D) and k (Hkv, Ncap, D); independent of n and Ncap."""
     return _pick(k).make_attend_scratch(q, k)

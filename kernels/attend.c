@@ -77,25 +77,52 @@ static inline void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
 }
 
-/* The run over fp32 rows, and over fp16 rows (converted to fp32 as they are loaded, F16C). */
-#define ATTEND_RUN attend_run_f32
+/* Re-positioning past the window (REMAP runs): the selection's K columns, the first `moved`
+   moved to base - count + column; lo (block, 2D) and hi (rows, 2D) hold cos | sin of deltas
+   d % block and (d / block) * block (positions.Rotations' tables). */
+struct remap {
+    const float *lo, *hi;
+    int64_t block, base, count, moved;
+};
+
+/* The run over fp32 rows and over fp16 rows (widened to fp32 as they are loaded, F16C), each
+   as it is and re-positioning (REMAP). */
 #define ROW_T float
 #define LOAD_ROW(p) _mm256_loadu_ps(p)
 #define PREFETCH_ROW(p, dim) prefetch_row((const char *)(p), (dim) * 4)
+#define REMAP 0
+#define ATTEND_RUN attend_run_f32
 #include "attend_rows.h"
 #undef ATTEND_RUN
+#undef REMAP
+#define REMAP 1
+#define ATTEND_RUN remap_run_f32
+#define STAGE_KEY stage_key_f32
+#include "attend_rows.h"
+#undef ATTEND_RUN
+#undef STAGE_KEY
+#undef REMAP
 #undef ROW_T
 #undef LOAD_ROW
 #undef PREFETCH_ROW
 
 #if defined(__F16C__)
 #define HAVE_F16_ROWS 1
-#define ATTEND_RUN attend_run_f16
 #define ROW_T uint16_t
 #define LOAD_ROW(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define PREFETCH_ROW(p, dim) prefetch_row((const char *)(p), (dim) * 2)
+#define REMAP 0
+#define ATTEND_RUN attend_run_f16
 #include "attend_rows.h"
 #undef ATTEND_RUN
+#undef REMAP
+#define REMAP 1
+#define ATTEND_RUN remap_run_f16
+#define STAGE_KEY stage_key_f16
+#include "attend_rows.h"
+#undef ATTEND_RUN
+#undef STAGE_KEY
+#undef REMAP
 #undef ROW_T
 #undef LOAD_ROW
 #undef PREFETCH_ROW
@@ -109,13 +136,20 @@ static inline void prefetch_row(const char *row, int64_t bytes) {
    stats (Hkv * splits, 2, G), acc (Hkv * splits, G, D), the caller's scratch), runs spread over
    `threads` OpenMP threads. qs: the caller's (H, D) scratch for the scaled queries. half: 0 when
    k and v hold fp32 values, 1 when they hold fp16 words (head_stride and rows in elements
-   either way). Returns 0, or -1 when G or D is out of range or fp16 rows are not compiled in. */
+   either way). rot_lo / rot_hi non-NULL: the rows are a selection re-positioned past the model's
+   window (struct remap; rows required), its first `moved` columns rotated to base - count +
+   column, the tables' rows rot_block apart. Returns 0, or -1 when G or D is out of range, fp16
+   rows are not compiled in, or a re-positioning lacks its rows. */
 int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k, const void *v,
                   int64_t head_stride, const int32_t *rows, int64_t rows_stride, int64_t count, int splits,
-                  float *qs, float *stats, float *acc, float *out, int threads, int half) {
+                  float *qs, float *stats, float *acc, float *out, int threads, int half,
+                  const float *rot_lo, const float *rot_hi, int64_t rot_block, int64_t base, int64_t moved) {
     int64_t group = heads / kv_heads;
     if (group < 1 || group > MAX_GROUP || dim % 8 || dim > MAX_DIM || splits < 1) return -1;
     if (half && !HAVE_F16_ROWS) return -1;
+    struct remap rot = {rot_lo, rot_hi, rot_block, base, count, moved};
+    int remapped = rot_lo != NULL && rot_hi != NULL;
+    if (remapped && (rows == NULL || rot_block < 1)) return -1;
     const float scale = (float)(1.4426950408889634 / sqrt((double)dim));  /* log2(e) / sqrt(D), as numpy rounds it */
     for (int64_t i = 0; i < heads * dim; i++) qs[i] = q[i] * scale;
     int64_t pieces = kv_heads * splits;
@@ -127,15 +161,22 @@ int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, 
         int64_t lo = count * split / splits, hi = count * (split + 1) / splits;
         const int32_t *run_rows = rows ? rows + h * rows_stride + lo : NULL;
         float *run_stats = stats + piece * 2 * group, *run_acc = acc + piece * group * dim;
+        const float *qh = qs + h * group * dim;
 #if HAVE_F16_ROWS
         if (half) {
-            attend_run_f16(qs + h * group * dim, (int)group, dim, (const uint16_t *)k + h * head_stride,
-                           (const uint16_t *)v + h * head_stride, run_rows, lo, hi - lo, run_stats, run_acc);
+            const uint16_t *kh = (const uint16_t *)k + h * head_stride, *vh = (const uint16_t *)v + h * head_stride;
+            if (remapped)
+                remap_run_f16(qh, (int)group, dim, kh, vh, run_rows, lo, hi - lo, run_stats, run_acc, &rot);
+            else
+                attend_run_f16(qh, (int)group, dim, kh, vh, run_rows, lo, hi - lo, run_stats, run_acc, NULL);
             continue;
         }
 #endif
-        attend_run_f32(qs + h * group * dim, (int)group, dim, (const float *)k + h * head_stride,
-                       (const float *)v + h * head_stride, run_rows, lo, hi - lo, run_stats, run_acc);
+        const float *kh = (const float *)k + h * head_stride, *vh = (const float *)v + h * head_stride;
+        if (remapped)
+            remap_run_f32(qh, (int)group, dim, kh, vh, run_rows, lo, hi - lo, run_stats, run_acc, &rot);
+        else
+            attend_run_f32(qh, (int)group, dim, kh, vh, run_rows, lo, hi - lo, run_stats, run_acc, NULL);
     }
     (void)threads;
     for (int64_t h = 0; h < kv_heads; h++) {  /* merge the runs (log-sum-exp in base 2) */

@@ -210,7 +210,7 @@ if C_ATTEND:
 
     _p, _i64 = ctypes.c_void_p, ctypes.c_int64
     _NATIVE.attend_decode.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, ctypes.c_int, _p, _p, _p,
-                                      _p, ctypes.c_int, ctypes.c_int]
+                                      _p, ctypes.c_int, ctypes.c_int, _p, _p, _i64, _i64, _i64]
     _NATIVE.attend_decode.restype = ctypes.c_int
 # fp16 K/V rows read as they are (F16C); without it they are converted to fp32 before the kernel
 C_ATTEND_F16 = bool(C_ATTEND and hasattr(_NATIVE, "attend_f16_available") and _NATIVE.attend_f16_available())
@@ -296,6 +296,44 @@ def gather_attend(q, k, v, idx, out=None, scratch=None, *, jit: bool = True, nat
     return _run(qa, ka, va, rows, rows.shape[1], dest, scratch, native)
 
 
+def remapped_attend(q, k, v, idx, base: int, moved: int, lo_table, hi_table, block: int, out=None,
+                    scratch=None) -> np.ndarray | None:
+    """Attention of q (H, D) over the selection idx (Hkv, K) of k, v (Hkv, Ncap, D), re-positioned
+    past the model's window as spotlight/beyond.py's remapped_decode does: column j < `moved`
+    rotated forward to position base - K + j, the rest (the local window) as they are. lo_table
+    (block, 2D) and hi_table (rows, 2D) fp32 hold cos | sin of deltas (positions.Rotations.tables),
+    hi_table covering deltas up to base. One call of kernels/attend.c: the keys are rotated as
+    they are read, nothing is gathered. Returns (H, D) float32, or None where attend.c cannot
+    run this (no C kernel, or the geometry does not fit): the caller takes the torch path."""
+    qa, ka, va = _check(q, k, v)
+    rows = np.ascontiguousarray(as_numpy(idx), dtype=np.int32)  # (Hkv, K)
+    lo, hi = (np.ascontiguousarray(as_numpy(t), dtype=np.float32) for t in (lo_table, hi_table))
+    hkv, capacity, dim = ka.shape
+    half = ka.dtype == np.float16
+    if not (c_attend_fits(qa.shape[0], hkv, dim) and ka.strides == va.strides and (C_ATTEND_F16 or not half)):
+        return None
+    if rows.ndim != 2 or rows.shape[0] != hkv or not 0 <= moved <= rows.shape[1]:
+        raise ValueError(f"idx must be (Hkv, K) = ({hkv}, K) with moved <= K, got {rows.shape} and moved {moved}")
+    if rows.size and (rows.min() < 0 or rows.max() >= min(capacity, base)):
+        raise ValueError(f"idx must lie in [0, {min(capacity, base)}), got [{rows.min()}, {rows.max()}]")
+    if lo.shape != (block, 2 * dim) or hi.ndim != 2 or hi.shape[1] != 2 * dim or hi.shape[0] * block <= base:
+        raise ValueError(f"rotation tables must be (block, 2D) and (rows, 2D) covering deltas to {base}; "
+                         f"got {lo.shape} and {hi.shape} for D = {dim}")
+    dest = _result(out, qa.shape)
+    buf = scratch if scratch is not None else new_attend_scratch(qa.shape[0], hkv, dim)
+    if not buf.fits(qa.shape[0], hkv, dim):
+        raise ValueError("scratch was made for other head counts or head dim: call make_attend_scratch again")
+    count = rows.shape[1]
+    workers = min(threads(), buf.scores.shape[0])
+    splits = workers if count >= MIN_SPLIT_ROWS * workers else 1
+    status = _NATIVE.attend_decode(
+        qa.ctypes.data, qa.shape[0], hkv, dim, ka.ctypes.data, va.ctypes.data, ka.strides[0] // ka.itemsize,
+        rows.ctypes.data, count, count, splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data,
+        dest.ctypes.data, workers, int(half), lo.ctypes.data, hi.ctypes.data, block, base, moved)
+    assert status == 0, status  # the checks above cover attend.c's
+    return dest
+
+
 def _run(q, k, v, rows, count, dest, scratch, native=True):
     hkv, _, dim = k.shape
     buf = scratch if scratch is not None else new_attend_scratch(q.shape[0], hkv, dim)
@@ -312,7 +350,7 @@ def _run(q, k, v, rows, count, dest, scratch, native=True):
             q.ctypes.data, q.shape[0], hkv, dim, k.ctypes.data, v.ctypes.data,
             k.strides[0] // k.itemsize, None if contiguous else rows.ctypes.data, 0 if contiguous else rows.shape[1],
             count, splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data, dest.ctypes.data,
-            workers, int(half))
+            workers, int(half), None, None, 0, 0, 0)
         assert status == 0, status  # c_attend_fits checked the geometry
         return dest
     if half:  # the numba kernels read fp32: the rows read, widened once (a copy of count rows per head)

@@ -1,13 +1,66 @@
 /* One run of one head over rows of ROW_T (float, or uint16_t fp16 words), included by attend.c
-   once per row type with ATTEND_RUN (the function's name), ROW_T, LOAD_ROW(p) (eight row values
-   at p as fp32) and PREFETCH_ROW(p, dim) defined. Every product and sum is fp32 either way. */
-/* The run: the G scaled queries qs (G, D) over `count` rows (row j at
-   k + rows[j] * D, or k + (first + j) * D when rows is NULL). Leaves per query the running max
-   stats[g], the sum of 2^(s - max) stats[G + g] and the unnormalised output acc (G, D). */
+   once per row type and mode with ATTEND_RUN (the function's name), ROW_T, LOAD_ROW(p) (eight
+   row values at p as fp32), PREFETCH_ROW(p, dim) and REMAP (0 or 1) defined. Every product and
+   sum is fp32 either way.
+
+   The run: the G scaled queries qs (G, D) over `count` rows (row j at k + rows[j] * D, or
+   k + (first + j) * D when rows is NULL). Leaves per query the running max stats[g], the sum of
+   2^(s - max) stats[G + g] and the unnormalised output acc (G, D).
+
+   REMAP (past the model's window, spotlight/beyond.py): column first + j of the selection moves
+   to position base - K + first + j, so its key is rotated forward by that minus rows[j]
+   (`struct remap`, cos/sin from two tables by angle sum, as positions.Rotations.rotate does,
+   with the same operations in the same order); columns from `moved` on (the local window) keep
+   their positions. The tile's keys are staged widened (and rotated) in fp32; V is read in place. */
+#if REMAP
+#define KROW_T float
+#define LOAD_K(p) _mm256_loadu_ps(p)
+#else
+#define KROW_T ROW_T
+#define LOAD_K(p) LOAD_ROW(p)
+#endif
+#if REMAP
+/* dst (D) fp32 = the key src widened, then rotated forward by delta positions (delta < 0: not
+   rotated): x * cos + rotate_half(x) * sin, cos = hc * lc - hs * ls, sin = hs * lc + hc * ls for
+   delta = hi * block + lo, as positions.Rotations.cos_sin and rotate compute it. */
+static inline void STAGE_KEY(float *dst, const ROW_T *src, int64_t dim, int64_t delta, const struct remap *rot) {
+    for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(dst + c, LOAD_ROW(src + c));
+    if (delta < 0) return;
+    float x[MAX_DIM];
+    memcpy(x, dst, sizeof(float) * (size_t)dim);
+    const float *hi = rot->hi + (delta / rot->block) * 2 * dim, *lo = rot->lo + (delta % rot->block) * 2 * dim;
+    int64_t half = dim / 2, i = 0;
+    if (half % 8 == 0) {
+        for (; i < dim; i += 8) {
+            __m256 hc = _mm256_loadu_ps(hi + i), hs = _mm256_loadu_ps(hi + dim + i);
+            __m256 lc = _mm256_loadu_ps(lo + i), ls = _mm256_loadu_ps(lo + dim + i);
+            __m256 cos = _mm256_sub_ps(_mm256_mul_ps(hc, lc), _mm256_mul_ps(hs, ls));
+            __m256 sin = _mm256_add_ps(_mm256_mul_ps(hs, lc), _mm256_mul_ps(hc, ls));
+            __m256 other = i < half ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(x + i + half))
+                                    : _mm256_loadu_ps(x + i - half);
+            _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), cos), _mm256_mul_ps(other, sin)));
+        }
+        return;
+    }
+    for (; i < dim; i++) {
+        float cos = hi[i] * lo[i] - hi[dim + i] * lo[dim + i];
+        float sin = hi[dim + i] * lo[i] + hi[i] * lo[dim + i];
+        float other = i < half ? -x[i + half] : x[i - half];
+        dst[i] = x[i] * cos + other * sin;
+    }
+}
+#endif
+
 static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, const ROW_T *v, const int32_t *rows,
-                       int64_t first, int64_t count, float *stats, float *acc) {
+                       int64_t first, int64_t count, float *stats, float *acc, const struct remap *rot) {
     float scores[MAX_GROUP][TILE];
-    const ROW_T *krow[TILE], *vrow[TILE];
+    const KROW_T *krow[TILE];
+    const ROW_T *vrow[TILE];
+#if REMAP
+    float staged[TILE][MAX_DIM];
+#else
+    (void)rot;
+#endif
     for (int g = 0; g < group; g++) {
         stats[g] = FLOAT_MIN;
         stats[group + g] = 0.0f;
@@ -17,7 +70,13 @@ static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, 
         int n = count - t0 < TILE ? (int)(count - t0) : TILE;
         for (int j = 0; j < n; j++) {
             int64_t r = rows ? rows[t0 + j] : first + t0 + j;
+#if REMAP
+            int64_t column = first + t0 + j;
+            STAGE_KEY(staged[j], k + r * dim, dim, column < rot->moved ? rot->base - rot->count + column - r : -1, rot);
+            krow[j] = staged[j];
+#else
             krow[j] = k + r * dim;
+#endif
             vrow[j] = v + r * dim;
             if (rows && t0 + j + PREFETCH_AHEAD < count) {  /* random rows: fetch ahead of use */
                 int64_t ahead = rows[t0 + j + PREFETCH_AHEAD];
@@ -32,13 +91,13 @@ static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, 
             const float *q0 = qs + g * dim, *q1 = q0 + dim;
             int j = 0;
             for (; j + 4 <= n; j += 4) {
-                const ROW_T *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
+                const KROW_T *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
                 __m256 a[8] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                                _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
                 for (int64_t c = 0; c < dim; c += 8) {
                     __m256 x0 = _mm256_loadu_ps(q0 + c), x1 = _mm256_loadu_ps(q1 + c);
-                    __m256 r0 = LOAD_ROW(k0 + c), r1 = LOAD_ROW(k1 + c);
-                    __m256 r2 = LOAD_ROW(k2 + c), r3 = LOAD_ROW(k3 + c);
+                    __m256 r0 = LOAD_K(k0 + c), r1 = LOAD_K(k1 + c);
+                    __m256 r2 = LOAD_K(k2 + c), r3 = LOAD_K(k3 + c);
                     a[0] = _mm256_fmadd_ps(x0, r0, a[0]);
                     a[1] = _mm256_fmadd_ps(x0, r1, a[1]);
                     a[2] = _mm256_fmadd_ps(x0, r2, a[2]);
@@ -55,7 +114,7 @@ static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, 
             for (; j < n; j++) {
                 __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
                 for (int64_t c = 0; c < dim; c += 8) {
-                    __m256 r = LOAD_ROW(krow[j] + c);
+                    __m256 r = LOAD_K(krow[j] + c);
                     a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), r, a0);
                     a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + c), r, a1);
                 }
@@ -67,26 +126,26 @@ static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, 
             const float *qg = qs + g * dim;
             int j = 0;
             for (; j + 8 <= n; j += 8) {
-                const ROW_T *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
-                const ROW_T *k4 = krow[j + 4], *k5 = krow[j + 5], *k6 = krow[j + 6], *k7 = krow[j + 7];
+                const KROW_T *k0 = krow[j], *k1 = krow[j + 1], *k2 = krow[j + 2], *k3 = krow[j + 3];
+                const KROW_T *k4 = krow[j + 4], *k5 = krow[j + 5], *k6 = krow[j + 6], *k7 = krow[j + 7];
                 __m256 a[8] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                                _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
                 for (int64_t c = 0; c < dim; c += 8) {
                     __m256 qv = _mm256_loadu_ps(qg + c);
-                    a[0] = _mm256_fmadd_ps(qv, LOAD_ROW(k0 + c), a[0]);
-                    a[1] = _mm256_fmadd_ps(qv, LOAD_ROW(k1 + c), a[1]);
-                    a[2] = _mm256_fmadd_ps(qv, LOAD_ROW(k2 + c), a[2]);
-                    a[3] = _mm256_fmadd_ps(qv, LOAD_ROW(k3 + c), a[3]);
-                    a[4] = _mm256_fmadd_ps(qv, LOAD_ROW(k4 + c), a[4]);
-                    a[5] = _mm256_fmadd_ps(qv, LOAD_ROW(k5 + c), a[5]);
-                    a[6] = _mm256_fmadd_ps(qv, LOAD_ROW(k6 + c), a[6]);
-                    a[7] = _mm256_fmadd_ps(qv, LOAD_ROW(k7 + c), a[7]);
+                    a[0] = _mm256_fmadd_ps(qv, LOAD_K(k0 + c), a[0]);
+                    a[1] = _mm256_fmadd_ps(qv, LOAD_K(k1 + c), a[1]);
+                    a[2] = _mm256_fmadd_ps(qv, LOAD_K(k2 + c), a[2]);
+                    a[3] = _mm256_fmadd_ps(qv, LOAD_K(k3 + c), a[3]);
+                    a[4] = _mm256_fmadd_ps(qv, LOAD_K(k4 + c), a[4]);
+                    a[5] = _mm256_fmadd_ps(qv, LOAD_K(k5 + c), a[5]);
+                    a[6] = _mm256_fmadd_ps(qv, LOAD_K(k6 + c), a[6]);
+                    a[7] = _mm256_fmadd_ps(qv, LOAD_K(k7 + c), a[7]);
                 }
                 _mm256_storeu_ps(&scores[g][j], sums8(a));
             }
             for (; j < n; j++) {
                 __m256 a = _mm256_setzero_ps();
-                for (int64_t c = 0; c < dim; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c), LOAD_ROW(krow[j] + c), a);
+                for (int64_t c = 0; c < dim; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c), LOAD_K(krow[j] + c), a);
                 scores[g][j] = hsum8(a);
             }
         }
@@ -210,3 +269,5 @@ static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, 
         }
     }
 }
+#undef KROW_T
+#undef LOAD_K

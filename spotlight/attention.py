@@ -140,6 +140,19 @@ class Attend:
         kernels.attend(q[:, 0], cache.k[layer], cache.v[layer], n, out=out, scratch=scratch)
         return out.unsqueeze(1)  # (H, 1, D)
 
+    def remapped(self, layer: int, q: torch.Tensor, cache, idx, n: int, local: int, rotations: Rotations):
+        """q (H, 1, D) of the token at n - 1 over the selection idx (Hkv, K) re-positioned past the
+        window (beyond.remapped_decode's result) -> (H, 1, D): on the CPU one kernels/attend.c call
+        that rotates the keys as it reads them, else (or where it does not fit) the torch path."""
+        if fast_path(q, cache):
+            out, scratch = self._buffers(q, cache.k[layer])
+            lo, hi = rotations.tables(n, "cpu")
+            done = kernels.remapped_attend(q[:, 0], cache.k[layer], cache.v[layer], idx, n, idx.shape[1] - local,
+                                           lo, hi, rotations.block, out, scratch)
+            if done is not None:
+                return out.unsqueeze(1)  # (H, 1, D)
+        return remapped_decode(q, cache.k[layer], cache.v[layer], idx, n, rotations, local)  # (H, 1, D)
+
     def sparse(self, layer: int, q: torch.Tensor, cache, idx) -> torch.Tensor:
         """q (H, 1, D) over the rows idx (Hkv, K) of `layer` -> (H, 1, D)."""
         if not fast_path(q, cache):
@@ -243,7 +256,7 @@ class SpotlightDecode:
             sinks, retrieved, window = self.far_budget
             idx = self._select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K)
             local = _local(n, retrieved, sinks, window)
-            return remapped_decode(q, cache.k[layer], cache.v[layer], idx, n, self.rotations(cache), local)
+            return self.attend.remapped(layer, q, cache, idx, n, local, self.rotations(cache))  # (H, 1, D)
         if self.is_dense(layer, n):
             self._selected[layer] = None
             return self.attend.dense(layer, q, cache)  # (H, 1, D)

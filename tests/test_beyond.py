@@ -110,6 +110,40 @@ def test_remapped_decode_equals_attention_over_keys_roped_at_their_new_positions
     torch.testing.assert_close(out, expected, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("heads,hkv,dim,n,local,dtype", [(4, 2, 16, 131_072, 8, torch.float32),
+                                                        (14, 2, 64, 20_000, 2048, torch.float16),
+                                                        (4, 2, 24, 3_000, 100, torch.float32)])
+def test_the_kernel_past_the_window_rotates_as_it_reads_and_equals_the_torch_path(heads, hkv, dim, n, local, dtype):
+    """kernels.remapped_attend (attend.c: each selected key rotated to its new position as it is
+    loaded, fp32 or fp16 rows, the rotation SIMD for D/2 a multiple of 8, else scalar) gives
+    beyond.remapped_decode's attention (gather, rotate, SDPA) on one and two threads; without
+    the rotation (moved = 0) it would not."""
+    import kernels
+    from kernels import attend_cpu
+
+    if not attend_cpu.c_attend_fits(heads, hkv, dim):
+        pytest.skip("kernels/_quant.so without the AVX2 attention kernel (make setup)")
+    torch.manual_seed(n)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    rotations = Rotations(inv_freq)
+    q = torch.randn(heads, 1, dim)
+    k, v = (3 * torch.randn(hkv, n + 40, dim)).to(dtype), torch.randn(hkv, n + 40, dim).to(dtype)
+    moved = 3 * local // 2
+    far = torch.stack([torch.sort(torch.randperm(n - local)[:moved]).values for _ in range(hkv)])  # (Hkv, moved)
+    idx = torch.cat([far, torch.arange(n - local, n).expand(hkv, -1)], 1).to(torch.int32)  # (Hkv, K)
+    expected = remapped_decode(q, k, v, idx, n, rotations, local)[:, 0]  # (H, D)
+    lo, hi = rotations.tables(n, "cpu")
+    for count in (1, 2):
+        kernels.set_threads(count)
+        try:
+            out = kernels.remapped_attend(q[:, 0], k, v, idx, n, moved, lo, hi, rotations.block)
+            unrotated = kernels.remapped_attend(q[:, 0], k, v, idx, n, 0, lo, hi, rotations.block)
+        finally:
+            kernels.set_threads(1)
+        torch.testing.assert_close(torch.from_numpy(out), expected, rtol=0, atol=1e-5)
+        assert (torch.from_numpy(unrotated) - expected).abs().max() > 1e-2
+
+
 def test_remapped_chunk_sees_its_selection_before_its_local_keys_and_itself_causally():
     torch.manual_seed(1)
     inv_freq = rope_inv_freq(tiny_model().args)
