@@ -1,5 +1,7 @@
-/* Decode-step attention over cached K/V rows, AVX2 (kernels/attend_cpu.py's `attend` and
-   `gather_attend`, compiled; built by `make setup` into kernels/_quant.so with quant.c).
+/* Decode-step attention over cached K/V rows, AVX2 (kernels/attend_cpu.py's `attend`,
+   `gather_attend` and `remapped_attend`, compiled; built by `make setup` into kernels/_quant.so
+   with quant.c). The run over one head's rows is attend_rows.h, included once per row type (fp32,
+   fp16) and mode (as stored; re-positioned past the model's window).
 
    Shape legend: H query heads, Hkv KV heads, G = H / Hkv (query head h * G + g reads KV head h),
    D head dim (a multiple of 8, at most MAX_DIM), n rows per head (contiguous [0, n) or the rows
@@ -19,7 +21,7 @@
    rows 0.97-1.04 vs 1.05-1.15 ms. At 8K the rows come from memory (8.4 MB per call for Qwen2.5),
    so the kernel is within about 2x of reading them; at 1K it is still about 3x its FMA count.
 
-   Numerics as attend_cpu.py: fp32, scores pre-scaled by log2(e) / sqrt(D), online softmax per
+   Numerics as attend_cpu.py: fp32 (fp16 rows widened exactly as they are loaded), scores pre-scaled by log2(e) / sqrt(D), online softmax per
    tile with probabilities 2^(s - max) from the same range reduction and degree-6 polynomial
    (relative error < 1.1e-7), a finite "minus infinity". The rows of one head are split into
    `splits` runs whose partial results merge by log-sum-exp in base 2 (as attend_cpu._merge). */
