@@ -90,7 +90,12 @@ class OursRunner:
         assert stats.decode_tokens == new_tokens
         # The first sampled token needs no forward; new_tokens - 1 decode forwards ran.
         return {"prefill_tps": stats.prefill_tps, "decode_tps": (new_tokens - 1) / stats.decode_seconds,
-                "bytes_per_token": self.weight_bytes + n * kv_bytes_per_token(self.engine.args, 4)}
+                "bytes_per_token": self.weight_bytes + n * kv_bytes_per_token(self.engine.args, self.kv_itemsize)}
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one cached K or V value (EngineConfig.kv_dtype: fp16 on the CPU by default)."""
+        return self.engine.kv_dtype.itemsize
 
 
 class TransformersRunner:
