@@ -41,8 +41,10 @@ import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -945,6 +947,12 @@ def git_commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C and the app's Cancel (spotlight/training.py) interrupt with SIGINT. A process
+        # started with SIGINT ignored (a background job of a non-interactive shell, and so the
+        # app's training child) would otherwise run to the end: take it back, before the progress
+        # file exists (Cancel waits for that file before it interrupts).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     progress = ProgressFile(args.progress, args.out)
     try:
         return _main(args, sys.argv[1:] if argv is None else argv, progress)

@@ -198,11 +198,20 @@ class EncoderTraining:
                 job = self._job()
                 self._write_job({**job, "cancelled": True})
                 pid = job["pid"]
+                self._wait_for_progress(timeout)  # SIGINT before the child takes it could be lost
                 os.kill(pid, signal.SIGINT)
                 if not self.wait(timeout):
                     os.kill(pid, signal.SIGKILL)
                     self.wait(timeout)
         return self.progress()
+
+    def _wait_for_progress(self, timeout: float) -> None:
+        """Until the child's progress file exists (train.py takes SIGINT before it writes it) or the
+        child has exited, at most `timeout` seconds: an app whose SIGINT is ignored (a background
+        job) starts its child ignoring it, and a SIGINT sent in the child's first moments is lost."""
+        deadline = time.monotonic() + timeout
+        while not self.progress_path.exists() and self.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the child exits (at most `timeout` seconds); True when it has."""

@@ -92,6 +92,26 @@ def test_cancel_before_the_first_saved_state_leaves_no_checkpoint(tiny, tmp_path
     assert not (tmp_path / "encoders" / "tiny-llama-32b.safetensors.tmp").exists()
 
 
+def test_cancel_interrupts_a_child_started_by_an_app_that_ignores_sigint(tiny, tmp_path):
+    """An app started as a background job of a non-interactive shell (`make run &`) ignores
+    SIGINT, and so would its training child: Cancel still pauses it, right after the start
+    (no state yet) and mid-way (the state saved on SIGINT)."""
+    import signal
+
+    model, options = tiny
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the app's own disposition, inherited
+    try:
+        job = EncoderTraining.start(str(model), tmp_path, BITS, job_config(options))
+        early = job.cancel()
+        assert (early.status, early.saved_step) == ("paused", None)
+        job = EncoderTraining.start(str(model), tmp_path, BITS, job_config(options))
+        wait_for(job, lambda p: p.saved_step is not None and p.saved_step > 0)
+        paused = job.cancel()
+        assert (paused.status, paused.phase) == ("paused", "interrupted") and 0 < paused.saved_step < paused.total
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_the_service_reports_untrained_then_training_then_trained(tiny, tmp_path):
     model, options = tiny
     config = AppConfig(home=tmp_path, engine=EngineConfig(model_path=str(model), weights="fp32"),
