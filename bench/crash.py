@@ -66,6 +66,12 @@ def _text(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n_words))
 
 
+def default_name() -> str:
+    from spotlight.loading import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
+
+
 def _service(home: Path, model: str = "tiny", max_new_tokens: int = 24, engine=None):
     """The chat service the child runs (and the parent checks with): `model` "tiny" or
     "default" (loaded as the app loads it, unless `engine` is given)."""
@@ -266,7 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=50, help="number of kills (default 50; --quick: 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", choices=MODELS, default="tiny",
-                   help="tiny: a tiny random model (default); default: the app's default model, SmolLM2-135M")
+                   help="tiny: a tiny random model (default); default: the app's default model (spotlight.loading.DEFAULT_MODEL)")
     p.add_argument("--child", nargs=3, metavar=("HOME", "SEED", "MODEL"), help=argparse.SUPPRESS)  # internal
     args = p.parse_args(argv)
     if args.child:
@@ -283,7 +289,7 @@ def main(argv=None) -> int:
         Target("committed messages lost", total["lost"] + final["lost"], 0, higher_is_better=False),
     ]
     what = ("tiny random model, 4 MiB disk budget; documents of random words" if args.model == "tiny" else
-            "the default model, SmolLM2-135M-Instruct from its GGUF as the app loads it, 512 MiB disk budget; "
+            f"the default model, {default_name()} from its GGUF as the app loads it, 512 MiB disk budget; "
             "documents of 1,000-3,000 tokens of Shakespeare")
     notes = (
         f"A child process runs the chat service ({what}) on one data directory: a document file read, "
@@ -299,7 +305,7 @@ def main(argv=None) -> int:
         "removed a temporary or unreferenced span file (the kill hit a span write)."
     )
     name, title = ("crash", "Crash soak (kill -9 during ingestion and generation)") if args.model == "tiny" else (
-        "crash-default", "Crash soak on the default model (SmolLM2-135M, kill -9 during ingestion and generation)")
+        "crash-default", f"Crash soak on the default model ({default_name()}, kill -9 during ingestion and generation)")
     finish(name, args, rows, targets, title=title, notes=notes, command=f"crash --model {args.model}",
            columns=["killed during", "trials", "ok", "lost", "mid span write", "committed messages", "sessions"])
     return 0 if all(t.met for t in targets[1:]) else 1

@@ -27,9 +27,9 @@ import os
 import time
 from pathlib import Path
 
-from bench.common import ROOT, Target, finish, log, parser, peak_rss_mb
+from bench.common import ROOT, SMALL_MODEL, Target, finish, log, parser, peak_rss_mb
 
-DEFAULT_NAME = "smollm2-135m-instruct"  # the model the engine part measures without --model
+DEFAULT_NAME = SMALL_MODEL  # the model the engine part measures without --model
 
 FULL = {"contexts": [1024, 4096, 8192], "new_tokens": 32, "repeats": 5}
 QUICK = {"contexts": [512, 1024], "new_tokens": 8, "repeats": 2}
@@ -69,7 +69,7 @@ class OursRunner:
         from spotlight.config import EngineConfig, default_home
         from spotlight.engine import Engine
 
-        config = EngineConfig(model_path=model, weights=weights, kernel_threads=kernel_threads, activations=activations)
+        config = EngineConfig(model_path=model or DEFAULT_NAME, weights=weights, kernel_threads=kernel_threads, activations=activations)
         self.engine = Engine.load(config, default_home())
         self.weight_bytes = weight_bytes(self.engine.model)
         warm = essay_ids(self.engine.tokenizer, WARM_UP_TOKENS)  # one-time kernel set-up stays out of the rows
@@ -111,7 +111,7 @@ class TransformersRunner:
         from bench.spotlight_speed import weight_bytes
         from spotlight.config import ModelArgs
 
-        source = loading.resolve(model, default_home())  # fp32 weights: converted once if missing
+        source = loading.resolve(model or DEFAULT_NAME, default_home())  # fp32 weights: converted once if missing
         self.model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
         self.weight_bytes = weight_bytes(self.model)
@@ -157,7 +157,7 @@ class LlamaCppRunner:
         from spotlight import loading
         from spotlight.config import default_home
 
-        self.source = loading.resolve(model, default_home(), fp32_weights=False)
+        self.source = loading.resolve(model or DEFAULT_NAME, default_home(), fp32_weights=False)
         self.gguf = self.source.gguf_file
         self.measure(WARM_UP_TOKENS + 2, 2)  # the same warm-up as ours
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import Target, finish, log, parser
+from bench.common import SMALL_MODEL, Target, finish, log, parser
 
 LLAMA_CPP_TPS = 49.0  # reference, not measured in this run
 SPAN_TOKENS = 2048
@@ -50,7 +50,7 @@ def load_engine():
     from spotlight.config import EngineConfig, default_home
     from spotlight.engine import Engine
 
-    return Engine.load(EngineConfig(), default_home())
+    return Engine.load(EngineConfig(model_path=SMALL_MODEL), default_home())
 
 
 def spans_of(engine, text: str) -> list[list[int]]:

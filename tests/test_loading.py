@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TEST_HOME, tiny_hf_config
+from conftest import ROOT, TEST_HOME, TEST_MODEL, tiny_hf_config
 from spotlight import loading
 from spotlight.errors import CorruptModel, HomeNotWritable, ModelNotFound, UnsupportedModel
 from tiny_models import write_tiny_gguf
@@ -128,13 +128,13 @@ def test_cli_prompt_longer_than_context_names_the_limit(engine, tmp_path):
     long = tmp_path / "long.txt"
     long.write_text("word " * 9000)
     # dense: the model's window is the limit (with Spotlight on the prompt is read past it, issue #21)
-    out = cli("generate", "--raw", "--no-spotlight", "--prompt-file", str(long))
+    out = cli("generate", "--model", TEST_MODEL, "--raw", "--no-spotlight", "--prompt-file", str(long))
     assert out.returncode == 2
     assert b"at most 8,192 fit this conversation" in out.stderr and b"Traceback" not in out.stderr, out.stderr
 
 
 @pytest.mark.model
 def test_cli_generate_streams_a_completion(engine):
-    out = cli("generate", "--max-new-tokens", "8", stdin=b"What is the capital of France?")
+    out = cli("generate", "--model", TEST_MODEL, "--max-new-tokens", "8", stdin=b"What is the capital of France?")
     assert out.returncode == 0, out.stderr
     assert b"Paris" in out.stdout

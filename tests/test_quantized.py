@@ -28,7 +28,7 @@ from spotlight.model import RMSNorm, Transformer, build_model
 from spotlight.onerow import use_onerow_linear
 from spotlight.quantized import (QuantEmbedding, QuantLinear, build_quantized_model, quantize_to_q8_0, unpermute_rows,
                                  use_fused_decode, use_quantized_linear)
-from conftest import TEST_HOME
+from conftest import TEST_HOME, TEST_MODEL
 from spotlight.testing import tiny_args
 
 RELATIVE_TOLERANCE = 1e-4  # || quantized - fp32 || / || fp32 || of one decode step's logits
@@ -417,7 +417,7 @@ INT16_RELATIVE_TOLERANCE = 5e-4
 @pytest.fixture(scope="module")
 def fp32_activations_engine():
     """The default model with its quantized kernels on fp32 activations (--activations fp32)."""
-    return Engine.load(EngineConfig(activations="fp32"), TEST_HOME)
+    return Engine.load(EngineConfig(model_path=TEST_MODEL, activations="fp32"), TEST_HOME)
 
 
 def decode_errors(model: Transformer, fp32: Transformer, ids: list[int]) -> list[float]:

@@ -186,7 +186,7 @@ def test_progress_reads_as_step_k_of_n_and_minutes_left():
 
 
 def test_job_names_come_from_the_model_file():
-    assert job_name(None, 128) == "smollm2-135m-instruct-128b"
+    assert job_name(None, 128) == "qwen2.5-coder-0.5b-instruct-128b"  # the default model
     assert job_name("/models/Qwen2.5-0.5B-Instruct-Q8_0.gguf", 64) == "qwen2.5-0.5b-instruct-q8-0-64b"
     assert job_name("/models/My Model/", 128) == "my-model-128b"
 
