@@ -61,8 +61,12 @@ TEXT_KINDS = ("essay", "play", "scripture", "technical", "planted")
 # essays, Python docs and planted facts are held out.
 HELD_OUT = ("essay", "technical", "planted")
 # How the question is put (--framing): as a user would type it, or with an instruction to answer briefly
-# from the document.
-FRAMINGS = {"plain": "{question}", "brief": "Answer from the document in a few words. {question}"}
+# from the document, either before the question or in the system prompt (which leaves what the user
+# typed as it is).
+FRAMINGS = {"plain": "{question}", "brief": "Answer from the document in a few words. {question}",
+            "system": "{question}"}
+SYSTEM_PROMPTS = {"system": "You are a helpful assistant. Answer from the document when one is given, in a few "
+                            "words, with the document's own wording."}
 
 
 COLUMNS = ["model", "attention", "length", "questions", "accuracy", "held_out_accuracy", "hallucinated",
@@ -134,6 +138,8 @@ def service_for(run: RunConfig, store_root: Path):
         sampling=SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=run.repetition_penalty),
         spotlight=SpotlightConfig(enabled=run.spotlight),
     )
+    if run.framing in SYSTEM_PROMPTS:
+        config = config.with_(system_prompt=SYSTEM_PROMPTS[run.framing])
     return ChatService(config, store_config=StoreConfig(store_root)), config
 
 
@@ -253,7 +259,8 @@ def main(argv=None) -> int:
                                                    "default: the best dense one at the longest length")
     p.add_argument("--repetition-penalty", type=float, default=1.1, help="1.1 is the app's; 1.0 is plain greedy")
     p.add_argument("--framing", choices=sorted(FRAMINGS), default="plain",
-                   help="plain: the question as typed; brief: prefixed with " + repr(FRAMINGS["brief"][:-11]))
+                   help="plain: the question as typed; brief: prefixed with " + repr(FRAMINGS["brief"][:-11])
+                        + "; system: as typed, with the system prompt " + repr(SYSTEM_PROMPTS["system"]))
     p.add_argument("--answers", default=None, help="write every reply with its score here (JSON)")
     p.add_argument("--rescore", metavar="ANSWERS", default=None,
                    help="no model: score the replies saved by an earlier run (its --answers file) again with "

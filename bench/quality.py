@@ -187,12 +187,19 @@ def main(argv=None):
                                      "the main rivals), e.g. 'dense,Spotlight-128 trained'")
     p.add_argument("--needle-ratios", help="comma-separated extra budgets at which Spotlight also answers the needles "
                                            "(a budget sweep in one grid), e.g. 0.05,0.1")
+    p.add_argument("--needle-lengths", help="comma-separated needle prompt lengths in tokens (default: 2048,4096,6144,8192; "
+                                            "--quick: 2048)")
+    p.add_argument("--needle-depths", help="comma-separated needle depths in (0, 1) (default: 0.1, 0.2, ... 0.9)")
     args = p.parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL)
+    if args.needle_lengths:
+        sizes["needle_lengths"] = tuple(int(x) for x in args.needle_lengths.split(","))
+    if args.needle_depths:
+        sizes["needle_depths"] = tuple(float(x) for x in args.needle_depths.split(","))
     parts = {s.strip() for s in args.part.split(",")}
     engine, trained = load(args, need_encoders=bool(parts - {"weights"}))
     config = spotlight_config(args)

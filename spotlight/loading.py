@@ -82,6 +82,8 @@ def file_stamps(home: Path) -> FileStamps:
 
 def packaged_path(model: PackagedModel, home: Path, locate: Locate = package_dir) -> Path:
     """The verified GGUF of a packaged model (joined once under `cache_dir(home)` when split)."""
+    if len(model.parts) > 1 and not (cache_dir(home) / model.file_name).is_file():
+        _ensure_writable(cache_dir(home))  # the join writes there: say so in the user's words first
     return packaged_gguf(model, cache_dir(home), locate, file_stamps(home).sha256)
 
 

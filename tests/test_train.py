@@ -351,7 +351,17 @@ def test_more_mined_others_than_the_first_query_can_have_is_refused():
         TrainConfig(mined_others=1000)
 
 
-def test_the_shipped_checkpoint_is_what_the_documented_command_trains():
+# (checkpoint, the command it records, the model's window, its layers): SmolLM2's was trained
+# when it was the default (no --model), Qwen2.5's with --model named
+SHIPPED = [
+    ("smollm2-135m-instruct-128b.safetensors", "python -m spotlight.train --out spotlight/checkpoints/", 8192, 30),
+    ("qwen2.5-coder-0.5b-instruct-128b.safetensors",
+     "python -m spotlight.train --model qwen2.5-coder-0.5b-instruct --out spotlight/checkpoints/", 32768, 24),
+]
+
+
+@pytest.mark.parametrize("name, command, window, layers", SHIPPED)
+def test_the_shipped_checkpoint_is_what_the_documented_command_trains(name, command, window, layers):
     """docs/DECISIONS.md names one command with every option at its default: the shipped file's
     recorded settings must be those defaults (retrain after changing one), on the training corpora only."""
     import json
@@ -360,15 +370,15 @@ def test_the_shipped_checkpoint_is_what_the_documented_command_trains():
 
     from safetensors import safe_open
 
-    path = Path(__file__).resolve().parent.parent / "spotlight" / "checkpoints" / "smollm2-135m-instruct-128b.safetensors"
+    path = Path(__file__).resolve().parent.parent / "spotlight" / "checkpoints" / name
     with safe_open(str(path), "pt") as f:
         provenance = json.loads(f.metadata()["provenance"])
-    # the two settings the command resolves from the model: its context window and its 30 layers
-    expected = json.loads(json.dumps(asdict(TrainConfig(max_position=8192, layers=tuple(range(30))))))
+    # the two settings the command resolves from the model: its context window and its layers
+    expected = json.loads(json.dumps(asdict(TrainConfig(max_position=window, layers=tuple(range(layers))))))
     assert provenance["config"] == expected
-    assert provenance["command"].startswith("python -m spotlight.train --out spotlight/checkpoints/")
+    assert provenance["command"].startswith(command)
     assert provenance["corpus"] == "shakespeare,kjv"
     training = {d.name for d in corpus.shakespeare() + corpus.kjv()}
     assert set(provenance["documents"]) <= training  # no held-out essay among them
     assert not training & {d.name for d in corpus.essays()}
-    assert provenance["steps"] == 30 * TrainConfig().steps
+    assert provenance["steps"] == layers * TrainConfig().steps
