@@ -61,12 +61,13 @@ TEXT_KINDS = ("essay", "play", "scripture", "technical", "planted")
 # essays, Python docs and planted facts are held out.
 HELD_OUT = ("essay", "technical", "planted")
 # How the question is put (--framing): as a user would type it, or with an instruction to answer briefly
-# from the document, either before the question or in the system prompt (which leaves what the user
-# typed as it is).
+# from the document, either before the question (brief) or in the system prompt (system, the app's
+# default since 12-02, which leaves what the user typed as it is); plain and brief run the earlier one.
 FRAMINGS = {"plain": "{question}", "brief": "Answer from the document in a few words. {question}",
             "system": "{question}"}
 SYSTEM_PROMPTS = {"system": "You are a helpful assistant. Answer from the document when one is given, in a few "
-                            "words, with the document's own wording."}
+                            "words, with the document's own wording.",  # the app's default since 12-02
+                  "plain": "You are a helpful assistant. Answer from the document when one is given."}  # before
 
 
 COLUMNS = ["model", "attention", "length", "questions", "accuracy", "held_out_accuracy", "hallucinated",
@@ -83,7 +84,7 @@ class RunConfig:
     spotlight: bool
     lengths: tuple[int, ...]
     repetition_penalty: float = 1.1
-    framing: str = "plain"
+    framing: str = "system"
 
 
 def model_names(spec: str) -> list[str]:
@@ -138,8 +139,7 @@ def service_for(run: RunConfig, store_root: Path):
         sampling=SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, repetition_penalty=run.repetition_penalty),
         spotlight=SpotlightConfig(enabled=run.spotlight),
     )
-    if run.framing in SYSTEM_PROMPTS:
-        config = config.with_(system_prompt=SYSTEM_PROMPTS[run.framing])
+    config = config.with_(system_prompt=SYSTEM_PROMPTS.get(run.framing, SYSTEM_PROMPTS["plain"]))
     return ChatService(config, store_config=StoreConfig(store_root)), config
 
 
@@ -258,9 +258,11 @@ def main(argv=None) -> int:
     p.add_argument("--default", default=None, help="the model proposed as default (targets); "
                                                    "default: the best dense one at the longest length")
     p.add_argument("--repetition-penalty", type=float, default=1.1, help="1.1 is the app's; 1.0 is plain greedy")
-    p.add_argument("--framing", choices=sorted(FRAMINGS), default="plain",
-                   help="plain: the question as typed; brief: prefixed with " + repr(FRAMINGS["brief"][:-11])
-                        + "; system: as typed, with the system prompt " + repr(SYSTEM_PROMPTS["system"]))
+    p.add_argument("--framing", choices=sorted(FRAMINGS), default="system",
+                   help="system (default, the app's): the question as typed under the system prompt "
+                        + repr(SYSTEM_PROMPTS["system"]) + "; plain: as typed under the earlier "
+                        + repr(SYSTEM_PROMPTS["plain"]) + "; brief: that one, the question prefixed with "
+                        + repr(FRAMINGS["brief"][:-11]))
     p.add_argument("--answers", default=None, help="write every reply with its score here (JSON)")
     p.add_argument("--rescore", metavar="ANSWERS", default=None,
                    help="no model: score the replies saved by an earlier run (its --answers file) again with "
@@ -348,8 +350,8 @@ def _notes(questions, skipped, system_prompt, penalty, excerpts) -> str:
         f"chat/sources.py); top_source_hit: the first source quote contains an accepted answer (over all "
         f"questions); sources_right: the same over the replies that showed sources. doc_prefill_tps: median "
         f"over the first question of each "
-        f"excerpt (which prefills it); decode_tps: median over replies. Spotlight with a model that has no "
-        f"trained encoders (Qwen) uses untrained identity-like codes (the engine warns). seconds: the row's "
+        f"excerpt (which prefills it); decode_tps: median over replies (the app's default 2 kernel threads). "
+        f"Spotlight runs each model's shipped trained encoders (spotlight/checkpoints/). seconds: the row's "
         f"questions; load_s: the model load (and conversion on first use). read_share: the mean share of the "
         f"context a decode step read (Turn.read_share; 1.0 = dense): Spotlight runs densely below "
         f"SpotlightConfig.dense_below = 2048 cached tokens, so at 2K it equals dense by construction."

@@ -238,7 +238,15 @@ def main(argv=None):
     notes = notes_for(engine, trained, methods, config, sizes, time.perf_counter() - started)
     title = "Retrieval quality (Spotlight vs baselines)" + (f": {Path(args.model).name}" if other else "")
     finish(section, args, rows, targets, title=title, notes=notes, extra="\n\n".join(extra),
-           command="quality" + (f" --model {args.model}" if other else ""))
+           command="quality" + (f" --model {args.model}" if other else "") + _given(args))
+
+
+def _given(args) -> str:
+    """The options of this run that change what it measures, as typed (for the section's command line)."""
+    given = [("--part", args.part if args.part != "retrieval,perplexity,needle,weights" else None),
+             ("--methods", args.methods), ("--needle-lengths", args.needle_lengths),
+             ("--needle-depths", args.needle_depths), ("--ratio", args.ratio)]
+    return "".join(f" {flag} {value!r}" if " " in str(value) else f" {flag} {value}" for flag, value in given if value)
 
 
 def chosen_methods(methods: dict, names: str | None) -> dict:

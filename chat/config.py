@@ -63,7 +63,10 @@ class AppConfig:
     spotlight: SpotlightConfig = field(default_factory=SpotlightConfig)
     uploads: UploadLimits = field(default_factory=UploadLimits)
     training: TrainingJobConfig = field(default_factory=TrainingJobConfig)  # encoders trained from Settings
-    system_prompt: str = "You are a helpful assistant. Answer from the document when one is given."
+    # Chosen by bench.docqa (docs/DECISIONS.md, "Prompt framing"): the instruction to answer briefly in
+    # the document's words, in the system prompt, so what the user typed is sent as typed.
+    system_prompt: str = ("You are a helpful assistant. Answer from the document when one is given, in a few words, "
+                          "with the document's own wording.")
     # tokens a summary may run to (Summarize): its own request, longer than a reply (sampling.max_new_tokens)
     summary_tokens: int = 768
     # sources under a reply: "related" shows only passages sharing a salient word with it (chat/sources.py);

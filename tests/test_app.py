@@ -595,7 +595,7 @@ def test_refusing_a_60_mb_upload_peaks_under_200_mb_above_the_idle_server(tmp_pa
     assert messages == [
         "⚠ big60.txt is 63.6 MB; this app reads files up to 20 MB. "
         "Split it into smaller files, or save the part you need as a file of its own.",
-        "⚠ near.txt is longer than the 8,098 tokens left in this conversation: with Spotlight off the model "
+        "⚠ near.txt is longer than the 8,049 tokens left in this conversation: with Spotlight off the model "
         "reads at most 8,192 tokens at once (about 20 pages). Turn Spotlight on to read beyond that, attach a "
         "shorter excerpt, or start a new chat for it."]
     assert max(peaks) <= 200, peaks
