@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import TEST_HOME, tiny_pair
+from conftest import TEST_HOME, TEST_MODEL, tiny_pair
 from spotlight import corpus
 from spotlight.errors import ContextTooLong, CorpusEmpty, EncoderMismatch, TooMuchMemory
 from spotlight.hashing import EncoderSpec, Encoders, load_encoders
@@ -224,7 +224,7 @@ def test_cli_refuses_bad_input_before_long_work(argv, message, tmp_path, monkeyp
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv("SPOTLIGHT_HOME", str(TEST_HOME))
     argv = [a.replace("{empty}", str(tmp_path / "empty")) for a in argv]
-    assert main(["--out", str(tmp_path / "x.safetensors"), *argv]) == 2
+    assert main(["--model", TEST_MODEL, "--out", str(tmp_path / "x.safetensors"), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
 
