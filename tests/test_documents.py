@@ -89,7 +89,7 @@ def test_a_document_over_the_window_is_refused_before_it_is_segmented(tmp_path):
     with pytest.raises(ConversationTooLong) as error:
         service.attach_text(session.id, "big.txt", "All work and no play. " * 5000)
     assert str(error.value) == (
-        "big.txt is longer than the 1,954 tokens left in this conversation: with Spotlight off the model reads "
+        "big.txt is longer than the 1,905 tokens left in this conversation: with Spotlight off the model reads "
         "at most 2,048 tokens at once (about 5 pages). Turn Spotlight on to read beyond that, attach a shorter "
         "excerpt, or start a new chat for it.")
     assert service.documents(session.id) == []
