@@ -39,7 +39,6 @@ from .digests import read_json, write_json
 from .errors import TrainingRunning
 from .loading import DEFAULT_MODEL
 
-DEFAULT_MODEL_NAME = DEFAULT_MODEL  # what `--model` unset trains (the default model)
 _ROOT = Path(__file__).resolve().parent.parent  # the child runs `python -m spotlight.train` from here
 _INTERRUPTED = (130, -signal.SIGINT)  # the child's exit after SIGINT: train.py's, or the signal's own
 _lock = threading.Lock()  # start, cancel: one at a time in this process
@@ -76,7 +75,7 @@ class TrainingProgress:
 
 def job_name(model_ref: str | None, bits: int) -> str:
     """`<model-name>-<bits>b`: the model file's or folder's name, lower case, without .gguf."""
-    name = DEFAULT_MODEL_NAME if not model_ref else Path(model_ref).name.removesuffix(".gguf")
+    name = DEFAULT_MODEL if not model_ref else Path(model_ref).name.removesuffix(".gguf")
     slug = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.") or "model"
     return f"{slug}-{bits}b"
 
