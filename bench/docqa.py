@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import ROOT, Target, finish, log, parser
+from chat.config import AppConfig
 
 from .docqa_data import (
     DocumentSpec,
@@ -65,8 +66,7 @@ HELD_OUT = ("essay", "technical", "planted")
 # default since 12-02, which leaves what the user typed as it is); plain and brief run the earlier one.
 FRAMINGS = {"plain": "{question}", "brief": "Answer from the document in a few words. {question}",
             "system": "{question}"}
-SYSTEM_PROMPTS = {"system": "You are a helpful assistant. Answer from the document when one is given, in a few "
-                            "words, with the document's own wording.",  # the app's default since 12-02
+SYSTEM_PROMPTS = {"system": AppConfig.system_prompt,  # the app's default since 12-02
                   "plain": "You are a helpful assistant. Answer from the document when one is given."}  # before
 
 
