@@ -728,7 +728,8 @@ def test_long_document_answer_stop_restart_and_resume(page, essay_text, shots, t
         expect(chip).to_contain_text(re.compile(r"lisbon-report\.pdf · 4 pages · [\d,]+ tokens"), timeout=120_000)
         document_tokens = tokens_in(chip.inner_text(), "tokens")
 
-        ask(page, "According to the document, what is the special magic number for the city of Lisbon?")
+        question = "According to the document, what is the special magic number for the city of Lisbon?"
+        ask(page, question)
         expect(status_line(page)).to_contain_text("tokens cached", timeout=120_000)
         answer = last_reply(page).inner_text()
         assert "7481" in answer, f"the fact on the last page was not found: {answer!r}"
@@ -742,14 +743,20 @@ def test_long_document_answer_stop_restart_and_resume(page, essay_text, shots, t
         expect(status_line(page)).to_contain_text("stopped", timeout=30_000)
         # Gradio overlays "processing | ..." on the title while an event still runs (seen on a busy machine)
         expect(page.locator("#title")).not_to_contain_text("processing", timeout=30_000)
-        title = page.locator("#title").inner_text()
+        title = question[:40]  # named after the first question; the sidebar ellipsizes long titles
+        expect(page.locator("#title")).to_contain_text(title)
+        expect(page.locator("#sessions")).to_contain_text(title)
     finally:
         server.stop()
 
     server = Server(tmp_path / "home", model_dir, tmp_path / "server.log").start()  # same data directory
     try:
         open_app(page, server.url)
-        page.locator("#sessions").get_by_text(title.strip()[:40]).click()  # the sidebar ellipsizes long titles
+        # the sidebar is filled by the page's load event, which a just-started server on a busy
+        # machine (the whole suite in CI) has answered after the default 30 s once
+        in_sidebar = page.locator("#sessions").get_by_text(title)
+        expect(in_sidebar).to_be_visible(timeout=120_000)
+        in_sidebar.click()
         expect(page.locator("#chat [data-testid=user]")).to_have_count(2)
         expect(page.locator("#chips")).to_contain_text("lisbon-report.pdf")
 
