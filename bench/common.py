@@ -124,7 +124,7 @@ def targets_table(targets: list[Target]) -> str:
     rows = [
         {
             "target": t.name,
-            "measured": t.value,
+            "measured": _precise(t.value, t.target),
             "goal": (">= " if t.higher_is_better else "<= ") + fmt(t.target),
             "met": "yes" if t.met else f"**no** ({_miss(t)})",
         }
@@ -133,11 +133,18 @@ def targets_table(targets: list[Target]) -> str:
     return table(rows)
 
 
+def _precise(value, goal):
+    """`value` with the digits that tell it from `goal` (1.0106 against 1.01, not 1.01 against 1.01)."""
+    if isinstance(value, float) and value != goal and fmt(value) == fmt(float(goal)):
+        return f"{value:.5g}"
+    return value
+
+
 def _miss(t: Target) -> str:
     if t.target == 0:
         return "missed"
     ratio = t.value / t.target
-    return f"{ratio:.2f}x of goal"
+    return f"{ratio:.2f}x of goal" if f"{ratio:.2f}" != "1.00" else f"{ratio:.4f}x of goal"
 
 
 def machine() -> str:

@@ -190,6 +190,9 @@ def main(argv=None):
     p.add_argument("--needle-lengths", help="comma-separated needle prompt lengths in tokens (default: 2048,4096,6144,8192; "
                                             "--quick: 2048)")
     p.add_argument("--needle-depths", help="comma-separated needle depths in (0, 1) (default: 0.1, 0.2, ... 0.9)")
+    p.add_argument("--ppl-docs", type=int, metavar="N",
+                   help=f"held-out essay windows for perplexity (default {FULL['ppl_docs']}; --quick: "
+                        f"{QUICK['ppl_docs']}); each costs a prefill and {FULL['ppl_tokens']} decode steps per budget")
     args = p.parse_args(argv)
     if args.threads:
         import torch
@@ -200,6 +203,8 @@ def main(argv=None):
         sizes["needle_lengths"] = tuple(int(x) for x in args.needle_lengths.split(","))
     if args.needle_depths:
         sizes["needle_depths"] = tuple(float(x) for x in args.needle_depths.split(","))
+    if args.ppl_docs:
+        sizes["ppl_docs"] = args.ppl_docs
     parts = {s.strip() for s in args.part.split(",")}
     engine, trained = load(args, need_encoders=bool(parts - {"weights"}))
     config = spotlight_config(args)
@@ -283,16 +288,27 @@ def perplexity_part(engine, methods, sizes, config, spot):
     need = sizes["ppl_prefix"] + sizes["ppl_tokens"] + 1
     skip = sizes["retrieval_docs"] * sizes["retrieval_len"]  # text the retrieval part did not use
     docs = [ids[skip + i * need : skip + (i + 1) * need] for i in range(sizes["ppl_docs"])]
+    if len(docs[-1]) < need:
+        most = max((len(ids) - skip) // need, 0)
+        raise SystemExit(f"the essays hold {len(ids):,} tokens: room for {most} perplexity windows of {need:,} "
+                         f"after the retrieval part's; ask for at most --ppl-docs {most}")
     runs = {(name, config.ratio): (method, config) for name, method in methods.items()}
     for budget in sizes["ppl_budgets"]:
         for name, method in methods.items():
             if (name == spot or (method and method.family == "oracle")) and budget != config.ratio:
                 runs[(name, budget)] = (method, replace(config, ratio=budget))
-    nll = perplexity(engine.model, docs, sizes["ppl_prefix"], runs)
-    dense = nll[("dense", config.ratio)]
+    per_doc: list[dict] = []
+    nll = perplexity(engine.model, docs, sizes["ppl_prefix"], runs, per_doc)
+    dense = ("dense", config.ratio)
+
+    def spread(run) -> str:  # PPL / dense of the lowest and the highest window: how much one window moves it
+        ratios = sorted(math.exp(doc[run] - doc[dense]) for doc in per_doc)
+        return f"{ratios[0]:.4f}-{ratios[-1]:.4f}"
+
     return [{"part": "perplexity through the decode path", "method": name,
              "budget": "—" if name == "dense" else f"{budget:.0%}", "NLL": value, "PPL": math.exp(value),
-             "PPL / dense": math.exp(value - dense)} for (name, budget), value in nll.items()]
+             "PPL / dense": f"{math.exp(value - nll[dense]):.4f}", "per window": spread((name, budget))}
+            for (name, budget), value in nll.items()]
 
 
 def weights_part(engine, sizes) -> list[dict]:
@@ -353,7 +369,7 @@ def retrieval_targets(rows, spot):
 
 
 def perplexity_targets(rows, spot, config):
-    ratio = next(r["PPL / dense"] for r in rows if r["method"] == spot and r["budget"] == f"{config.ratio:.0%}")
+    ratio = float(next(r["PPL / dense"] for r in rows if r["method"] == spot and r["budget"] == f"{config.ratio:.0%}"))
     return [Target(f"{spot}: perplexity through the decode path / dense at the {config.ratio:.0%} budget", ratio, 1.01,
                    higher_is_better=False)]
 
@@ -386,7 +402,10 @@ def notes_for(engine, trained, methods, config, sizes, seconds) -> str:
         f"Budget accounting for every method: {config.sinks} sinks + {config.window}-token window + retrieved; dense "
         f"layers {list(config.dense_layers)}. Retrieval: {sizes['retrieval_docs']} held-out essay windows of "
         f"{sizes['retrieval_len']} tokens, the last {sizes['decode_steps']} decoded one at a time; retrieved = "
-        f"int(budget * n). Perplexity and needles at ratio {config.ratio:.0%} (k_min {config.k_min}), "
+        f"int(budget * n). Perplexity: {sizes['ppl_docs']} held-out essay windows after those, each "
+        f"{sizes['ppl_tokens']} tokens predicted by decode steps after a {sizes['ppl_prefix']}-token prefill (per "
+        f"window: PPL / dense of the lowest and highest window). Perplexity and needles at ratio {config.ratio:.0%} "
+        f"(k_min {config.k_min}), "
         f"dense_below 0 (sparse at every length). Untrained and SimHash encoders use hyperplanes shared by a query "
         f"head and its KV head (spotlight.train.tie_hyperplanes). Run time {seconds / 60:.1f} min."
     )

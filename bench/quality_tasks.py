@@ -44,16 +44,17 @@ def policy_for(method, config):
 # ----------------------------------------------------------------------------- perplexity
 
 
-def perplexity(model, docs: list[list[int]], prefix: int, runs: dict) -> dict:
+def perplexity(model, docs: list[list[int]], prefix: int, runs: dict, per_doc: list | None = None) -> dict:
     """Mean NLL per run over the tokens after `prefix` of each doc, fed one at a time.
 
     runs: name -> (Method or None for dense attention, SpotlightConfig). Every doc holds
     prefix + T + 1 tokens; the T predictions come from decode steps only (the prefill's
-    last logits are not scored).
+    last logits are not scored). `per_doc`, when given, receives each doc's mean NLL per run.
     """
     nll = dict.fromkeys(runs, 0.0)
     count = 0
     for doc in docs:
+        before = dict(nll)
         base = prefill(model, doc[:prefix], len(doc) + 8)
         targets = torch.tensor(doc[prefix + 1 :])  # (T,)
         for name, (method, config) in runs.items():
@@ -64,6 +65,8 @@ def perplexity(model, docs: list[list[int]], prefix: int, runs: dict) -> dict:
                     logits = model(torch.tensor([token]), cache, policy)  # (V,)
                     nll[name] += float(torch.logsumexp(logits, -1) - logits[targets[t]])
         count += len(targets)
+        if per_doc is not None:
+            per_doc.append({name: (nll[name] - before[name]) / len(targets) for name in runs})
     return {name: total / count for name, total in nll.items()}
 
 
