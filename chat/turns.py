@@ -33,6 +33,8 @@ from .runtime import ContextPool, EngineGate
 from .sources import SourceTracker
 
 _END_OF_TURN_ROOM = 16  # tokens: the end-of-turn marker that settling appends after a reply
+EMPTY_REPLY = ("The model ended its reply before writing anything, so nothing was saved. Regenerate "
+               "(Ctrl+Shift+R) to sample another reply, or rephrase the question.")
 StoreReply = Callable[[str, dict], MessageRecord]  # (content, stats) -> the committed assistant message
 PrefillProgress = Callable[[int, int], None]  # (tokens done, tokens total)
 
@@ -112,6 +114,8 @@ class TurnRunner:
         including it. A stop during prefill (no text) also stops settling; a stop while
         decoding still stores the reply and its end-of-turn tokens."""
         conversation, message_ids = plan.conversation, list(plan.message_ids)
+        if not turn.text and turn.finish != "cancelled":
+            turn.notices.append(EMPTY_REPLY)
         if turn.text:
             message = plan.store_reply(turn.text, turn.stats())
             turn.message_id = message.id

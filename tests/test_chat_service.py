@@ -26,6 +26,7 @@ from chat.errors import (
 from chat.render import Renderer
 from chat.config import REGENERATE_TEMPERATURE, REGENERATE_TOP_P
 from chat.service import ChatService, regeneration_sampling
+from chat.turns import EMPTY_REPLY
 from spotlight.testing import tiny_engine
 from memory import blobs
 from chat.config import AppConfig
@@ -167,6 +168,17 @@ def test_regenerate_keeps_the_old_reply_and_reuses_the_whole_prompt(service):
     empty = service.create()
     with pytest.raises(InvalidAction, match="send a message first"):
         next(service.regenerate(empty.id))
+
+
+def test_a_reply_that_ends_at_its_first_token_says_so_and_stores_nothing(service):
+    session = service.create()
+    finish(service.send(session.id, "Tell me a story"))
+    before = service.history(session.id)
+    _, empty = finish(regenerate(service, session.id, seed=0))  # seed 0 samples the end of turn first (measured)
+    assert (empty.text, empty.message_id, empty.notices) == ("", None, [EMPTY_REPLY])
+    assert service.history(session.id) == before
+    _, kept = finish(regenerate(service, session.id))
+    assert (kept.notices, service.history(session.id)[-1].branches) == ([], 2)
 
 
 def test_switch_version_steps_through_siblings_and_clamps(service):
