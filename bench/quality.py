@@ -250,7 +250,7 @@ def _given(args) -> str:
     """The options of this run that change what it measures, as typed (for the section's command line)."""
     given = [("--part", args.part if args.part != "retrieval,perplexity,needle,weights" else None),
              ("--methods", args.methods), ("--needle-lengths", args.needle_lengths),
-             ("--needle-depths", args.needle_depths), ("--ratio", args.ratio)]
+             ("--needle-depths", args.needle_depths), ("--ratio", args.ratio), ("--ppl-docs", args.ppl_docs)]
     return "".join(f" {flag} {value!r}" if " " in str(value) else f" {flag} {value}" for flag, value in given if value)
 
 
