@@ -58,12 +58,16 @@ bench-quick: setup
 # build, llama.cpp's own `llama-server` (for bench.api's slot-file comparison), kept in
 # .bench-cache/llama-build/bin/. About 10-12 minutes on 2 cores; offline (the sdist is in the
 # local package index). LLAVA_BUILD=OFF: the tools already build mtmd, and a second copy clashes.
+# No AMX: a VM can list amx_tile among its CPU flags without letting a process use the tiles, and
+# llama.cpp's AMX matrix multiply (chosen by -march=native) then dies with SIGILL in prefill.
 LLAMA_BUILD := $(CURDIR)/.bench-cache/llama-build
+LLAMA_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE := -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
-	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	'-DCMAKE_C_FLAGS=$(LLAMA_NO_AMX)' '-DCMAKE_CXX_FLAGS=$(LLAMA_NO_AMX)'
 
 bench-deps: setup
-	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --no-deps --no-binary llama-cpp-python \
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --no-deps --force-reinstall --no-cache-dir --no-binary llama-cpp-python \
 		-C build-dir=$(LLAMA_BUILD) llama-cpp-python==0.3.36
 	$(PY) -m pip install -q diskcache==5.6.3  # the binding's one runtime dependency the app lacks
 	test -x $(LLAMA_BUILD)/bin/llama-server
