@@ -203,7 +203,7 @@ def main(argv=None):
         sizes["needle_lengths"] = tuple(int(x) for x in args.needle_lengths.split(","))
     if args.needle_depths:
         sizes["needle_depths"] = tuple(float(x) for x in args.needle_depths.split(","))
-    if args.ppl_docs:
+    if args.ppl_docs is not None:
         sizes["ppl_docs"] = args.ppl_docs
     parts = {s.strip() for s in args.part.split(",")}
     engine, trained = load(args, need_encoders=bool(parts - {"weights"}))
@@ -280,18 +280,24 @@ def costly(methods, spot, quick: bool, part: str) -> dict:
     return chosen
 
 
+def perplexity_windows(ids: list[int], sizes: dict) -> list[list[int]]:
+    """`sizes["ppl_docs"]` windows of prefix + scored tokens + 1 from `ids`, after the text the
+    retrieval part used; SystemExit saying how many fit when they do not."""
+    need = sizes["ppl_prefix"] + sizes["ppl_tokens"] + 1
+    skip = sizes["retrieval_docs"] * sizes["retrieval_len"]  # text the retrieval part did not use
+    most = max((len(ids) - skip) // need, 0)
+    if not 1 <= sizes["ppl_docs"] <= most:
+        raise SystemExit(f"the essays hold {len(ids):,} tokens: room for {most} perplexity windows of {need:,} "
+                         f"after the retrieval part's; ask for 1 to {most} (--ppl-docs)")
+    return [ids[skip + i * need : skip + (i + 1) * need] for i in range(sizes["ppl_docs"])]
+
+
 def perplexity_part(engine, methods, sizes, config, spot):
     """Every method at the configured budget; Spotlight and the oracle also at the other budgets."""
     import math
 
     ids = essay_ids(engine)
-    need = sizes["ppl_prefix"] + sizes["ppl_tokens"] + 1
-    skip = sizes["retrieval_docs"] * sizes["retrieval_len"]  # text the retrieval part did not use
-    docs = [ids[skip + i * need : skip + (i + 1) * need] for i in range(sizes["ppl_docs"])]
-    if len(docs[-1]) < need:
-        most = max((len(ids) - skip) // need, 0)
-        raise SystemExit(f"the essays hold {len(ids):,} tokens: room for {most} perplexity windows of {need:,} "
-                         f"after the retrieval part's; ask for at most --ppl-docs {most}")
+    docs = perplexity_windows(ids, sizes)
     runs = {(name, config.ratio): (method, config) for name, method in methods.items()}
     for budget in sizes["ppl_budgets"]:
         for name, method in methods.items():

@@ -114,12 +114,12 @@ class TurnRunner:
         including it. A stop during prefill (no text) also stops settling; a stop while
         decoding still stores the reply and its end-of-turn tokens."""
         conversation, message_ids = plan.conversation, list(plan.message_ids)
-        if not turn.text and turn.finish != "cancelled":
-            turn.notices.append(EMPTY_REPLY)
         if turn.text:
             message = plan.store_reply(turn.text, turn.stats())
             turn.message_id = message.id
             conversation, message_ids = conversation.plus("assistant", turn.text), message_ids + [message.id]
+        elif turn.finish != "cancelled":
+            turn.notices.append(EMPTY_REPLY)
         full, pending, _ = self._settle(plan.session_id, context, conversation, message_ids,
                                         cancel=None if turn.text else cancel)
         return full, pending
