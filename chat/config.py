@@ -18,12 +18,22 @@ from spotlight.config import TrainingJobConfig
 REGENERATE_TEMPERATURE = 0.7
 REGENERATE_TOP_P = 0.9
 
-__all__ = ["ACTIVATIONS", "ACTIVATIONS_HELP", "KERNEL_THREADS_HELP", "KV_DTYPE_HELP", "KV_DTYPES", "MB", "QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE",
+__all__ = ["GB", "size_text", "ACTIVATIONS", "ACTIVATIONS_HELP", "KERNEL_THREADS_HELP", "KV_DTYPE_HELP", "KV_DTYPES", "MB", "QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE",
            "REGENERATE_TOP_P", "SOURCES", "WEIGHTS",
            "WEIGHTS_HELP", "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig",
            "TrainingJobConfig", "UploadLimits"]
 
 MB = 1000 * 1000  # bytes: the megabyte file managers show
+GB = 1000 * MB
+
+
+def size_text(n_bytes: int) -> str:
+    """A size as file managers show it: '850 KB', '4.2 MB', '310 MB', '13.1 GB'."""
+    if n_bytes < MB:
+        return f"{n_bytes / 1000:,.0f} KB"
+    if n_bytes < GB:
+        return f"{n_bytes / MB:,.1f} MB" if n_bytes < 10 * MB else f"{n_bytes / MB:,.0f} MB"
+    return f"{n_bytes / GB:,.1f} GB"
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,13 @@ class AppConfig:
     # sources under a reply: "related" shows only passages sharing a salient word with it (chat/sources.py);
     # "all" every top-attended passage
     sources: str = "related"
+    # Reading a document into the cache stores its finished spans every this many tokens, so a stop, a
+    # crash or a restart part way loses at most this much work (about 17 s of the default model's
+    # prefill on 2 cores); a multiple of the engine's prefill chunk keeps the chunks where they were.
+    checkpoint_tokens: int = 4096
+    # disk the KV cache files may use (least recently used spans are evicted beyond it); a document
+    # whose cache would not fit it is refused before it is read (`--disk-budget-gb`)
+    disk_budget_bytes: int = StoreConfig.disk_budget_bytes
     host: str = "127.0.0.1"
     port: int = 7860
 
@@ -80,10 +97,14 @@ class AppConfig:
             raise ValueError(f"a summary needs at least 1 token (summary_tokens), got {self.summary_tokens}")
         if self.sources not in SOURCES:
             raise ValueError(f"sources must be one of {', '.join(SOURCES)}; got {self.sources!r}")
+        if self.checkpoint_tokens < 1:
+            raise ValueError(f"checkpoint_tokens must be at least 1, got {self.checkpoint_tokens}")
+        if self.disk_budget_bytes <= 0:
+            raise ValueError(f"the disk budget for the cache must be positive, got {self.disk_budget_bytes} bytes")
 
     @property
     def store(self) -> StoreConfig:
-        return StoreConfig(root=self.home / "store")
+        return StoreConfig(root=self.home / "store", disk_budget_bytes=self.disk_budget_bytes)
 
     @property
     def scratch_dir(self) -> Path:

@@ -10,9 +10,11 @@ limit (`AppConfig.uploads`), too large for the context) is reported and skipped;
 are still attached. The byte limit is checked against the file's size on disk before it is
 read; the token limits with a count that stops at the limit. Every uploaded file is deleted
 once it has been read or refused (`service.discard_upload`: only files in the app's
-short-lived files folder, memory/scratch.py). Reading into the cache can be stopped
-with `service.stop(session_id)`: what was computed is kept, the rest is computed with the
-next message.
+short-lived files folder, memory/scratch.py). A document whose cache would not fit the disk
+budget or the free disk is refused before it is read (`NotEnoughDisk`). Reading into the cache
+can be stopped with `service.stop(session_id)`: what was computed is kept, in memory and, stage
+by stage (`AppConfig.checkpoint_tokens`), on disk, so also a crash or a restart part way keeps
+it; the rest is read with the next message (or the next resume).
 
 The upload path enters each module once, top to bottom:
 

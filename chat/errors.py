@@ -83,6 +83,11 @@ class DocumentTooLong(ChatError):
     """A document is longer than the app's limit for one document (`UploadLimits.max_tokens`)."""
 
 
+class NotEnoughDisk(ChatError):
+    """A document's KV cache would not fit the cache's disk budget or the free disk space; it
+    is refused before it is read, and the message says how much it needs and what to free."""
+
+
 class StorageUnavailable(ChatError):
     """The data directory cannot be used: another process holds it, it was written by a newer
     version, or it is unreadable. The message names the directory and the fix."""

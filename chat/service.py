@@ -23,6 +23,7 @@ never acts on an exchange it did not show; `changed` is the cheap check a tab po
 """
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ from spotlight.config import SamplingConfig
 from spotlight.errors import SpotlightError
 
 from . import encoders, export
-from .config import REGENERATE_TEMPERATURE, REGENERATE_TOP_P, AppConfig
+from .config import GB, REGENERATE_TEMPERATURE, REGENERATE_TOP_P, AppConfig, size_text
 from .errors import (
     ChatError,
     ConversationChanged,
@@ -45,6 +46,7 @@ from .errors import (
     ConversationTooLong,
     DocumentTooLong,
     ImportFailed,
+    NotEnoughDisk,
     InvalidAction,
     MessageNotFound,
     ModelUnavailable,
@@ -152,7 +154,8 @@ class ChatService:
         with self._open_lock:
             if self._runner is None:
                 self._runner = TurnRunner(engine, store, self.config.sampling, self._pool, self._gate,
-                                          all_sources=self.config.sources == "all")
+                                          all_sources=self.config.sources == "all",
+                                          checkpoint_tokens=self.config.checkpoint_tokens)
             return self._runner
 
     def warnings(self) -> tuple[str, ...]:
@@ -488,7 +491,8 @@ class ChatService:
             self.check_current(session_id, seen)
             records = self._visible(session_id)
             conversation = self._conversation(session_id, records)
-            room = self.engine.max_context - 1 - len(self.runner.renderer.prompt(conversation))
+            prompt_tokens = len(self.runner.renderer.prompt(conversation))
+            room = self.engine.max_context - 1 - prompt_tokens
             cap = self.config.uploads.max_tokens
             limit = room if cap is None else min(room, cap)
             n_tokens = count_tokens_within(self.engine.count_tokens, document.text, limit)
@@ -497,6 +501,7 @@ class ChatService:
             if n_tokens is None:
                 raise ConversationTooLong(too_long(document.name, room, self.engine.max_context,
                                                    self.engine.decodes_densely, self.engine.memory_bound))
+            self._check_disk(document.name, n_tokens, prompt_tokens + n_tokens)
             segments = segment_document(document, self.engine.count_tokens)
             self._check_fits(conversation.with_document(AttachedDocument("", document.name, document.text,
                                                                          tuple(segments))))
@@ -504,6 +509,18 @@ class ChatService:
                 document.name, document.text, pages=document.page_count, session_id=session_id,
                 n_tokens=n_tokens, segments=[_segment_spec(s) for s in segments])
             return _document_info(record)
+
+    def _check_disk(self, name: str, document_tokens: int, conversation_tokens: int) -> None:
+        """Refuse, before any long work, a document whose cache would not fit: the whole
+        conversation's within the disk budget (else its own spans would be evicted as they are
+        written), the document's within the free disk space."""
+        per_token = self.engine.stored_bytes_per_token
+        budget = self.store_config.disk_budget_bytes
+        if conversation_tokens * per_token > budget:
+            raise NotEnoughDisk(over_disk_budget(name, conversation_tokens * per_token, budget))
+        free = self.store.free_disk_bytes()
+        if document_tokens * per_token > free:
+            raise NotEnoughDisk(disk_too_full(name, document_tokens * per_token, free))
 
     def documents(self, session_id: SessionId) -> list[DocumentInfo]:
         with translated(session_id):
@@ -742,6 +759,19 @@ def regeneration_sampling(sampling: SamplingConfig) -> SamplingConfig:
 def _document_tokens(document: AttachedDocument, count_tokens) -> int:
     counts = [segment.n_tokens for segment in document.segments]
     return sum(counts) if counts and None not in counts else count_tokens(document.text)
+
+
+def over_disk_budget(name: str, need: int, budget: int) -> str:
+    allow = max(1, math.ceil(1.25 * need / GB))
+    return (f"{name} needs about {size_text(need)} of disk for this conversation's cache (what makes questions "
+            f"about it fast), more than the {size_text(budget)} the cache may use. Start the app with "
+            f"--disk-budget-gb {allow} to allow more, or attach a shorter excerpt.")
+
+
+def disk_too_full(name: str, need: int, free: int) -> str:
+    return (f"{name} needs about {size_text(need)} of disk for its cache, and the disk that holds the data "
+            f"directory has {size_text(free)} free. Free some disk space (deleting conversations you no longer "
+            "need frees their cache), then attach it again.")
 
 
 def over_token_limit(name: str, limit: int) -> str:

@@ -13,6 +13,12 @@ A reply (`TurnRunner.reply`) enters each module once, top to bottom, under the e
 then, outside the gate, store those spans (cachesync.write) and yield the final Turn. So the
 stored chain always equals what the renderer gives for the conversation.
 
+A resume (reading an upload into the cache) prefills in stages of `checkpoint_tokens` and stores
+the spans each stage completes before the next starts (`_prefill_saving`): a stop, a crash or a
+restart part way loses at most one stage, and the next restore loads what was stored. A reply
+whose document prefix is far from read (its ingest was stopped or killed) first reads the rest of
+the prefix the same way.
+
     send:  service -> turns -> render -> cachesync (restore) -> engine.stream
                             -> (store reply) -> render -> engine.prefill -> cachesync (plan, snapshot, write) -> memory
 """
@@ -35,6 +41,8 @@ from .sources import SourceTracker
 _END_OF_TURN_ROOM = 16  # tokens: the end-of-turn marker that settling appends after a reply
 EMPTY_REPLY = ("The model ended its reply before writing anything, so nothing was saved. Regenerate "
                "(Ctrl+Shift+R) to sample another reply, or rephrase the question.")
+READ_STOPPED = ("Reading stopped at {done:,} of {total:,} tokens. What was read is kept (also across a restart); "
+                "the rest is read with your next question.")
 StoreReply = Callable[[str, dict], MessageRecord]  # (content, stats) -> the committed assistant message
 PrefillProgress = Callable[[int, int], None]  # (tokens done, tokens total)
 
@@ -60,8 +68,9 @@ class TurnRunner:
     """Runs replies and resumes on one engine against one store."""
 
     def __init__(self, engine, store: Store, sampling: SamplingConfig, pool: ContextPool, gate: EngineGate,
-                 all_sources: bool = False):
+                 all_sources: bool = False, checkpoint_tokens: int = 4096):
         self.engine = engine
+        self.checkpoint_tokens = checkpoint_tokens  # AppConfig.checkpoint_tokens
         self.all_sources = all_sources  # also sources that share no word with the reply (AppConfig.sources)
         self.store = store
         self.sampling = sampling
@@ -86,6 +95,7 @@ class TurnRunner:
             context, restored = self._prepare(plan.session_id, prompt, cancel, capacity, pooled=not plan.prefix_only)
             _report_restore(turn, restored)
             context.reserve(capacity)
+            read_ahead = self._read_prefix(plan.session_id, context, prompt, turn, cancel)
             tracker = SourceTracker.for_rendering(plan.conversation, prompt) if plan.sources else None
             meter = ReadMeter()
             observers = [meter] if tracker is None else [meter, tracker.observer]
@@ -96,7 +106,7 @@ class TurnRunner:
                     if step.finish is None:
                         yield turn
                         continue
-                    _fill_stats(turn, step.finish, step.stats, restored)
+                    _fill_stats(turn, step.finish, step.stats, read_ahead + (restored.recomputed if restored else 0))
             except GeneratorExit:
                 closed, turn.finish = True, "cancelled"
                 cancel.set()
@@ -120,9 +130,8 @@ class TurnRunner:
             conversation, message_ids = conversation.plus("assistant", turn.text), message_ids + [message.id]
         elif turn.finish != "cancelled":
             turn.notices.append(EMPTY_REPLY)
-        full, pending, _ = self._settle(plan.session_id, context, conversation, message_ids,
-                                        cancel=None if turn.text else cancel)
-        return full, pending
+        return self._settle(plan.session_id, context, conversation, message_ids,
+                            cancel=None if turn.text else cancel)
 
     def _commit_aside(self, plan: ReplyPlan, turn: Turn, context: Context, prompt: Rendering) -> tuple[Rendering, list]:
         """Store a prefix-only request's reply; copy out only the prefix spans not stored yet."""
@@ -146,14 +155,18 @@ class TurnRunner:
         self.engine.check_fits(len(rendering))
         with self.gate.hold(session_id):
             context, restored = self._prepare(session_id, rendering, cancel)
-            full, pending, report.computed_tokens = self._settle(session_id, context, conversation, message_ids,
-                                                                 cancel=cancel, progress=progress)
+            context.truncate(context.common_prefix(list(rendering.ids)))
+            report.computed_tokens = len(rendering) - len(context.tokens)
+            finished, notices = self._prefill_saving(session_id, context, rendering, message_ids, len(rendering),
+                                                     cancel=cancel, progress=progress)
+            if not finished:
+                notices.append(READ_STOPPED.format(done=len(context.tokens), total=len(rendering)))
         report.from_memory = restored is None
         if restored is not None:
             report.restored_tokens = restored.restored
             report.computed_tokens += restored.recomputed
             report.notices += restored.notices
-        report.notices += self.sync.write(session_id, full, pending)
+        report.notices += notices
         report.n_tokens = len(context.tokens)
         report.seconds = time.perf_counter() - started
         return report
@@ -174,18 +187,51 @@ class TurnRunner:
         self.pool.put(session_id, context)
         return context, restored
 
+    def _prefill_saving(self, session_id: SessionId, context: Context, rendering: Rendering, message_ids, end: int,
+                        *, cancel, progress: PrefillProgress | None = None,
+                        prefix_only: bool = False) -> tuple[bool, list[str]]:
+        """Prefill `rendering.ids` up to `end` in stages of `checkpoint_tokens`, storing after
+        each stage (and after a stop) the spans that lie wholly in what is computed, so a stop, a
+        crash or a restart loses at most one stage. `progress(done, end)` counts from position 0.
+        Returns (all prefilled, notices of spans that could not be stored). Under the gate."""
+        notices: list[str] = []
+        ids = list(rendering.ids)
+        while len(context.tokens) < end:
+            start = len(context.tokens)
+            stage = ids[start : min(end, start + self.checkpoint_tokens)]
+            report = None if progress is None else (lambda done, _total, start=start: progress(start + done, end))
+            finished = self.engine.prefill(context, stage, cancel=cancel, progress=report)
+            parts = [part for part in self.sync.plan(session_id, rendering, message_ids, prefix_only=prefix_only)
+                     if part.end <= len(context.tokens)]
+            notices += self.sync.write(session_id, rendering, self.sync.snapshot(context, parts))
+            if not finished:
+                return False, notices
+        return True, notices
+
+    def _read_prefix(self, session_id: SessionId, context: Context, prompt: Rendering, turn: Turn, cancel) -> int:
+        """Before a reply: when more than a stage of the documents is not read yet (an upload
+        stopped or killed while it was read), read the rest of the prefix storing it stage by
+        stage, as an upload does. Returns the tokens prefilled."""
+        context.truncate(context.common_prefix(list(prompt.ids)))
+        start = len(context.tokens)
+        if prompt.prefix_len - start <= self.checkpoint_tokens:
+            return 0
+        _, notices = self._prefill_saving(session_id, context, prompt, [], prompt.prefix_len, cancel=cancel,
+                                          prefix_only=True)
+        turn.notices += notices
+        return len(context.tokens) - start
+
     def _settle(self, session_id: SessionId, context: Context, conversation: Conversation, message_ids, *,
-                cancel, progress: PrefillProgress | None = None) -> tuple[Rendering, list, int]:
+                cancel) -> tuple[Rendering, list]:
         """Bring the Context to exactly the conversation's rendering and copy out the parts
-        that have no span yet (under the gate). Returns (the rendering, pending spans, tokens
-        prefilled)."""
+        that have no span yet (under the gate). Returns (the rendering, pending spans)."""
         full = self.renderer.full(conversation)
         context.truncate(context.common_prefix(list(full.ids)))
         missing = list(full.ids[len(context.tokens):])
-        if not self.engine.prefill(context, missing, cancel=cancel, progress=progress):
-            return full, [], len(missing)  # cancelled: store nothing now, the next turn completes it
+        if not self.engine.prefill(context, missing, cancel=cancel):
+            return full, []  # cancelled: store nothing now, the next turn completes it
         parts = self.sync.plan(session_id, full, message_ids)
-        return full, self.sync.snapshot(context, parts), len(missing)
+        return full, self.sync.snapshot(context, parts)
 
 
 def _report_restore(turn: Turn, restored: Restored | None) -> None:
@@ -194,9 +240,9 @@ def _report_restore(turn: Turn, restored: Restored | None) -> None:
         turn.notices += restored.notices
 
 
-def _fill_stats(turn: Turn, finish: str, stats, restored: Restored | None) -> None:
-    """Copy the engine's numbers; tokens recomputed while restoring count as computed."""
-    recomputed = restored.recomputed if restored is not None else 0
+def _fill_stats(turn: Turn, finish: str, stats, recomputed: int) -> None:
+    """Copy the engine's numbers; tokens `recomputed` before the stream (restoring, reading the
+    prefix) count as computed."""
     turn.finish = finish
     turn.cached_tokens = stats.cached_tokens - recomputed
     turn.prefill_tokens = stats.prefill_tokens + recomputed

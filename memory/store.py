@@ -31,6 +31,7 @@ Crash safety (kill -9 at any point leaves the previous consistent state):
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import time
 from collections.abc import Callable
@@ -90,6 +91,10 @@ class Store:
     def disk_usage(self) -> int:
         """Bytes of all span files present."""
         return self.spans.disk_usage()
+
+    def free_disk_bytes(self) -> int:
+        """Bytes free on the file system that holds the span files (for the calling user)."""
+        return shutil.disk_usage(self.config.spans_dir).free
 
     def _remove_leftovers(self) -> dict[str, int]:
         """Delete temp files and span files with no row (see the module docstring)."""

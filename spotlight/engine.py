@@ -187,6 +187,13 @@ class Engine:
         return 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * itemsize
 
     @property
+    def stored_bytes_per_token(self) -> int:
+        """Bytes one cached token takes in a span file: its K/V rows and, with Spotlight, its key
+        codes (a file's header and code summaries are a few KB per span on top)."""
+        codes = 0 if self.spotlight is None else self.args.n_layers * self.args.n_kv_heads * self.spotlight.bits // 8
+        return self.kv_bytes_per_token + codes
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """How the cache stores K/V rows (EngineConfig.kv_dtype: float16 on the CPU by default)."""
         return kv_dtype(self.config, self.model)

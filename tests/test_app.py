@@ -611,6 +611,17 @@ def test_upload_limits_on_the_command_line():
     assert (args.max_upload_mb, args.max_document_tokens) == (2.5, 4000)
 
 
+def test_the_disk_budget_on_the_command_line():
+    assert app.startup_config(app.parse_args([]), {}).store.disk_budget_bytes == 8 * 1024**3
+    config = app.startup_config(app.parse_args(["--disk-budget-gb", "20"]), {})
+    assert (config.disk_budget_bytes, config.store.disk_budget_bytes) == (20 * 10**9, 20 * 10**9)
+
+
+def test_a_bad_disk_budget_stops_the_app_with_the_reason(capsys):
+    assert app.main(["--disk-budget-gb", "0"]) == 2
+    assert capsys.readouterr().err == "error: the disk budget for the cache must be positive, got 0 bytes\n"
+
+
 def test_a_bad_upload_limit_stops_the_app_with_the_reason(capsys):
     assert app.main(["--max-upload-mb", "0"]) == 2
     assert capsys.readouterr().err == "error: the upload size limit must be positive, got 0 bytes\n"

@@ -2,10 +2,10 @@
 keeping pages and headings; prefill progress is measured, not estimated (issue #18)."""
 import pytest
 
-from chat.config import AppConfig
+from chat.config import AppConfig, size_text
 from chat.documents import PrefillProgress, count_tokens_within, ingest, prefill_text, segment_document
-from chat.errors import ConversationTooLong
-from chat.service import ChatService
+from chat.errors import ConversationTooLong, NotEnoughDisk
+from chat.service import ChatService, disk_too_full
 from spotlight.testing import tiny_engine
 from files import make_docx, make_pdf
 from segmenter import read_document
@@ -93,3 +93,27 @@ def test_a_document_over_the_window_is_refused_before_it_is_segmented(tmp_path):
         "at most 2,048 tokens at once (about 5 pages). Turn Spotlight on to read beyond that, attach a shorter "
         "excerpt, or start a new chat for it.")
     assert service.documents(session.id) == []
+
+
+def test_a_document_whose_cache_would_not_fit_the_disk_budget_is_refused_before_it_is_read(tmp_path):
+    engine = tiny_engine(spotlight=True)  # 288 bytes per cached token: K/V rows and key codes
+    service = ChatService(AppConfig(home=tmp_path, disk_budget_bytes=1_000_000), _engine=engine)
+    session = service.create()
+    text = "All work and no play. " * 200  # 4,400 bytes, a token each (+ the prompt): ~1.3 MB of cache
+    with pytest.raises(NotEnoughDisk) as error:
+        service.attach_text(session.id, "big.txt", text)
+    assert str(error.value) == (
+        "big.txt needs about 1.3 MB of disk for this conversation's cache (what makes questions about it fast), "
+        "more than the 1.0 MB the cache may use. Start the app with --disk-budget-gb 1 to allow more, or attach "
+        "a shorter excerpt.")
+    assert service.documents(session.id) == []
+    service.attach_text(session.id, "small.txt", text[:2000])  # what fits is attached
+
+
+def test_the_disk_messages_say_what_is_needed_and_what_to_do():
+    assert disk_too_full("book.pdf", 13_100_000_000, 2_400_000_000) == (
+        "book.pdf needs about 13.1 GB of disk for its cache, and the disk that holds the data directory has 2.4 GB "
+        "free. Free some disk space (deleting conversations you no longer need frees their cache), then attach it "
+        "again.")
+    assert [size_text(n) for n in (850_000, 4_200_000, 310_000_000, 13_100_000_000)] == [
+        "850 KB", "4.2 MB", "310 MB", "13.1 GB"]

@@ -327,3 +327,107 @@ def _span_key(service, session_id):
     """The span key the service uses for this conversation."""
     rendering = Renderer(service.engine).full(conversation(service, session_id))
     return CacheKey.for_engine(service.engine, rendering.prefix_ids).span_key
+
+
+# ----------------------------------------------------------------------------- an ingest stopped part way (#21)
+
+BOOK = " ".join(f"Chapter {i} says the lamp number {i * 7} hangs by the north door." for i in range(80))  # ~5K bytes
+CHECKPOINT = 512  # tokens per stored stage in these tests (a multiple of the 256-token prefill chunk)
+STAGE_END = 3 * CHECKPOINT  # where the runs below are stopped or killed: after the third stage
+
+
+def checkpointed(home, engine):
+    config = AppConfig(home=home, sampling=SamplingConfig(max_new_tokens=4), checkpoint_tokens=CHECKPOINT)
+    return ChatService(config, _engine=engine)
+
+
+def stored_ends(service, session_id) -> list[int]:
+    return [span.end_pos for span in service.store.spans.session_chain(session_id, _span_key(service, session_id))]
+
+
+def book_ingest(home, engine):
+    """A conversation with BOOK attached, not read yet: (its id, its rendering, its prefix spans' ends)."""
+    service = checkpointed(home, engine)
+    session_id = service.create().id
+    service.attach_text(session_id, "book.txt", BOOK)
+    rendering = Renderer(engine).full(conversation(service, session_id))
+    service.close()
+    return session_id, rendering, [end for _, end, _ in prefix_layout(rendering)]
+
+
+def test_a_stopped_ingest_keeps_its_finished_spans_and_a_restart_reads_on_from_there(tmp_path):
+    engine = tiny_engine(seed=3, prefill_chunk=256)
+    session_id, rendering, ends = book_ingest(tmp_path, engine)
+    first = checkpointed(tmp_path, engine)
+    stopped = first.resume(session_id, progress=lambda done, total: done >= STAGE_END - 200 and first.stop(session_id))
+    kept = [end for end in ends if end <= STAGE_END]
+    assert len(rendering) > 2 * STAGE_END and len(kept) >= 2
+    assert (stopped.n_tokens, stored_ends(first, session_id)) == (STAGE_END, kept)
+    assert stopped.notices == [f"Reading stopped at 1,536 of {len(rendering):,} tokens. What was read is kept (also "
+                               "across a restart); the rest is read with your next question."]
+    first.close()
+
+    second = checkpointed(tmp_path, engine)
+    seen = []
+    resumed = second.resume(session_id, progress=lambda done, total: seen.append((done, total)))
+    assert (resumed.restored_tokens, resumed.computed_tokens, resumed.n_tokens) == (
+        kept[-1], len(rendering) - kept[-1], len(rendering))
+    assert seen[0] == (kept[-1] + 256, len(rendering)) and seen[-1] == (len(rendering), len(rendering))
+    assert stored_ends(second, session_id) == ends
+    ids = list(rendering.ids) + [0]
+    resumed_logits = next_logits(engine, second._pool.get(session_id), ids)
+    torch.testing.assert_close(resumed_logits, scratch_logits(engine, ids), atol=1e-4, rtol=0)
+    second.close()
+
+
+_INGEST_CHILD = f"""
+import sys, time
+from pathlib import Path
+from chat.config import AppConfig
+from chat.service import ChatService
+from spotlight.config import SamplingConfig
+from spotlight.testing import tiny_engine
+
+config = AppConfig(home=Path(sys.argv[1]), sampling=SamplingConfig(max_new_tokens=4), checkpoint_tokens={CHECKPOINT})
+service = ChatService(config, _engine=tiny_engine(seed=3, prefill_chunk=256))
+
+def progress(done, total):
+    print(done, flush=True)
+    if done > {STAGE_END}:
+        time.sleep(120)  # the parent kills it here, in the fourth stage
+
+service.resume(sys.argv[2], progress=progress)
+"""
+
+
+def test_an_ingest_killed_part_way_resumes_without_recomputing_its_stored_spans(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    engine = tiny_engine(seed=3, prefill_chunk=256)
+    session_id, rendering, ends = book_ingest(tmp_path, engine)
+    child = subprocess.Popen([sys.executable, "-c", _INGEST_CHILD, str(tmp_path), session_id],
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             stdout=subprocess.PIPE, text=True)
+    reported = []
+    for line in child.stdout:
+        reported.append(int(line))
+        if reported[-1] > STAGE_END:
+            break
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert reported == list(range(256, STAGE_END + 257, 256))
+    report = verify(tmp_path / "store")
+    assert (report["ok"], report["span_errors"]) == (True, {})
+
+    service = checkpointed(tmp_path, engine)
+    kept = [end for end in ends if end <= STAGE_END]
+    assert stored_ends(service, session_id) == kept
+    question = "Which lamp hangs by the north door?"
+    prompt = Renderer(engine).prompt(conversation(service, session_id, ("user", question)))
+    turn = finish(service.send(session_id, question))  # reads the rest of the document first, stage by stage
+    assert (turn.restored_tokens, turn.cached_tokens, turn.prefill_tokens) == (
+        kept[-1], kept[-1], len(prompt) - kept[-1])
+    assert stored_ends(service, session_id)[: len(ends)] == ends
+    service.close()
