@@ -501,7 +501,7 @@ class Handlers:
             yield Reply(live_view(session_id, shown + [ui.pending_message()], ui.READING), box)
             turn = None
             for turn in throttled(turns, STREAM_EVERY):
-                yield Reply(live_view(session_id, shown + [ui.assistant_message(turn.text)], ui.live_line(turn)), box)
+                yield Reply(live_view(session_id, shown + [ui.live_message(turn)], ui.live_line(turn)), box)
         except ChatError as error:  # the view is reloaded: no half-shown message stays
             yield Reply(self.failed(session_id, error), gr.skip() if restore is None else restore)
             return

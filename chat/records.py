@@ -99,6 +99,10 @@ class Turn:
     spotlight: bool = False  # decoded with Spotlight attention (else densely)
     regenerated_at: float | None = None  # a regeneration's sampling temperature (chat/config.py)
     seed: int | None = None  # the sampling seed of a regeneration
+    # While the documents are read before a reply (an upload stopped or killed part way): (tokens
+    # read, tokens to read) and the measured tokens/s; None once the reply runs.
+    reading: tuple[int, int] | None = None
+    reading_tps: float = 0.0
 
     @property
     def done(self) -> bool:

@@ -95,7 +95,7 @@ class TurnRunner:
             context, restored = self._prepare(plan.session_id, prompt, cancel, capacity, pooled=not plan.prefix_only)
             _report_restore(turn, restored)
             context.reserve(capacity)
-            read_ahead = self._read_prefix(plan.session_id, context, prompt, turn, cancel)
+            read_ahead = yield from self._read_prefix(plan.session_id, context, prompt, turn, cancel)
             tracker = SourceTracker.for_rendering(plan.conversation, prompt) if plan.sources else None
             meter = ReadMeter()
             observers = [meter] if tracker is None else [meter, tracker.observer]
@@ -208,17 +208,27 @@ class TurnRunner:
                 return False, notices
         return True, notices
 
-    def _read_prefix(self, session_id: SessionId, context: Context, prompt: Rendering, turn: Turn, cancel) -> int:
+    def _read_prefix(self, session_id: SessionId, context: Context, prompt: Rendering, turn: Turn,
+                     cancel) -> Iterator[Turn]:
         """Before a reply: when more than a stage of the documents is not read yet (an upload
         stopped or killed while it was read), read the rest of the prefix storing it stage by
-        stage, as an upload does. Returns the tokens prefilled."""
+        stage, as an upload does, yielding `turn` with `reading` set after each stage. Returns
+        the tokens prefilled."""
         context.truncate(context.common_prefix(list(prompt.ids)))
-        start = len(context.tokens)
-        if prompt.prefix_len - start <= self.checkpoint_tokens:
+        start, end = len(context.tokens), prompt.prefix_len
+        if end - start <= self.checkpoint_tokens:
             return 0
-        _, notices = self._prefill_saving(session_id, context, prompt, [], prompt.prefix_len, cancel=cancel,
-                                          prefix_only=True)
-        turn.notices += notices
+        started = time.perf_counter()
+        turn.reading = (start, end)
+        yield turn
+        while len(context.tokens) < end and not (cancel is not None and cancel.is_set()):
+            stop = min(end, len(context.tokens) + self.checkpoint_tokens)
+            _, notices = self._prefill_saving(session_id, context, prompt, [], stop, cancel=cancel, prefix_only=True)
+            turn.notices += notices
+            turn.reading = (len(context.tokens), end)
+            turn.reading_tps = (len(context.tokens) - start) / max(time.perf_counter() - started, 1e-9)
+            yield turn
+        turn.reading = None
         return len(context.tokens) - start
 
     def _settle(self, session_id: SessionId, context: Context, conversation: Conversation, message_ids, *,

@@ -419,8 +419,20 @@ def turn_line(stats: dict | Turn | None, spotlight: SpotlightConfig, dense_engin
 
 
 def live_line(turn: Turn) -> str:
-    """Numbers while a reply streams."""
-    return f"generating… {len(turn.text):,} characters"
+    """Numbers while a reply streams, or while the documents are read before it (an upload
+    that was stopped or killed part way is read on first): tokens, the measured speed, time left."""
+    if turn.reading is None:
+        return f"generating… {len(turn.text):,} characters"
+    done, total = turn.reading
+    line = f"reading the documents on where an earlier reading stopped… {done:,} of {total:,} tokens"
+    if turn.reading_tps > 0:
+        line += f" ({turn.reading_tps:,.0f} tokens/s, about {math.ceil((total - done) / turn.reading_tps):,} s left)"
+    return line
+
+
+def live_message(turn: Turn) -> dict:
+    """The reply's bubble while it streams: the pending one until its first token."""
+    return pending_message() if turn.reading is not None else assistant_message(turn.text)
 
 
 def chips_html(documents: list[DocumentInfo]) -> str:

@@ -212,6 +212,19 @@ def test_saved_settings_apply_at_start_under_the_command_line():
 # ----------------------------------------------------------------------------- display values
 
 
+def test_the_status_line_while_documents_are_read_before_a_reply_and_while_it_streams():
+    reading = Turn("s", reading=(12_288, 64_000))
+    assert ui.live_line(reading) == ("reading the documents on where an earlier reading stopped… 12,288 of "
+                                     "64,000 tokens")
+    reading.reading_tps = 240.0
+    assert ui.live_line(reading) == ("reading the documents on where an earlier reading stopped… 12,288 of "
+                                     "64,000 tokens (240 tokens/s, about 216 s left)")
+    assert ui.live_message(reading) == ui.pending_message()
+    streaming = Turn("s", "Twelve lamps")
+    assert (ui.live_line(streaming), ui.live_message(streaming)) == (
+        "generating… 12 characters", ui.assistant_message("Twelve lamps"))
+
+
 def message(role, content, **stats):
     return ChatMessage(f"id-{role}-{content}", role, content, None, stats=stats)
 

@@ -426,7 +426,14 @@ def test_an_ingest_killed_part_way_resumes_without_recomputing_its_stored_spans(
     assert stored_ends(service, session_id) == kept
     question = "Which lamp hangs by the north door?"
     prompt = Renderer(engine).prompt(conversation(service, session_id, ("user", question)))
-    turn = finish(service.send(session_id, question))  # reads the rest of the document first, stage by stage
+    readings, turn = [], None
+    for turn in service.send(session_id, question):  # reads the rest of the document first, stage by stage
+        readings.append(turn.reading)
+    assert turn.done
+    end = prompt.prefix_len
+    stages = [*range(kept[-1] + CHECKPOINT, end, CHECKPOINT), end]
+    assert readings[: len(stages) + 1] == [(kept[-1], end)] + [(stage, end) for stage in stages]
+    assert set(readings[len(stages) + 1:]) == {None}  # then the reply streams
     assert (turn.restored_tokens, turn.cached_tokens, turn.prefill_tokens) == (
         kept[-1], kept[-1], len(prompt) - kept[-1])
     assert stored_ends(service, session_id)[: len(ends)] == ends
