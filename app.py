@@ -38,7 +38,7 @@ from chat.errors import ChatError, ConversationChanged, ModelUnavailable, NotFou
 from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
 from chat.config import (ACTIVATIONS, ACTIVATIONS_HELP, KERNEL_THREADS_HELP, KV_DTYPE_HELP, KV_DTYPES, GB, MB, QUANTIZE, QUANTIZE_HELP, WEIGHTS,  # noqa: E402
-                         WEIGHTS_HELP, AppConfig, EngineConfig, UploadLimits)
+                         WEIGHTS_HELP, AppConfig, EngineConfig, SpotlightConfig, UploadLimits)
 
 # Gradio's own sweep of its temporary folder (every 10 minutes, files older than an hour): a backstop
 # for what chat/ does not delete itself (uploads are deleted once read, exports at the next export)
@@ -934,6 +934,10 @@ def parse_args(argv=None):
                    "larger files are refused before they are read")
     p.add_argument("--max-document-tokens", type=int, default=None,
                    help="most tokens one document may have (default: what the model's context window holds)")
+    p.add_argument("--max-context-tokens", type=int, default=SpotlightConfig.max_context,
+                   help=f"most tokens a conversation may hold with Spotlight on, documents included (default: "
+                   f"{SpotlightConfig.max_context:,}; never below the model's own window, and at most what half "
+                   "this machine's memory holds of its cache); past the model's window it is read through Spotlight")
     p.add_argument("--disk-budget-gb", type=float, default=AppConfig.disk_budget_bytes / GB,
                    help=f"disk the cache files may use, in GB (default: {AppConfig.disk_budget_bytes / GB:.1f}); the "
                    "least recently used conversations' caches are dropped beyond it (and recomputed when "
@@ -953,13 +957,14 @@ def parse_args(argv=None):
 def startup_config(args, saved: dict) -> AppConfig:
     """What the app starts with: the defaults, the settings saved from the Settings tab over them
     (`saved`, ChatService.saved_settings), and what the command line names over those.
-    ValueError for an impossible upload limit or disk budget."""
+    ValueError for an impossible upload limit, context cap or disk budget."""
     uploads = UploadLimits(max_bytes=round(args.max_upload_mb * MB), max_tokens=args.max_document_tokens)
     engine = EngineConfig(weights=args.weights, quantize=args.quantize, activations=args.activations,
                           kv_dtype=args.kv_dtype, packages_dir=os.environ.get(PACKAGES_ENV))
     if args.kernel_threads is not None:
         engine = replace(engine, kernel_threads=args.kernel_threads)
     config = ui.saved_config(AppConfig(engine=engine, host=args.host, port=args.port, uploads=uploads,
+                                       spotlight=SpotlightConfig(max_context=args.max_context_tokens),
                                        disk_budget_bytes=round(args.disk_budget_gb * GB)),
                              saved)
     if args.model is not None:
@@ -987,7 +992,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         first = startup_config(args, {})
-    except ValueError as error:  # an impossible upload limit or disk budget on the command line
+    except ValueError as error:  # an impossible upload limit, context cap or disk budget on the command line
         print(f"error: {error}", file=sys.stderr)
         return 2
     service = ChatService(first)

@@ -193,8 +193,10 @@ class SpotlightConfig:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
         if min(self.sinks, self.window, self.k_min, self.dense_below, self.two_level_from) < 0:
             raise ValueError("sinks, window, k_min, dense_below and two_level_from must be >= 0")
-        if min(self.far_window, self.far_retrieved) < 1 or self.max_context < 2:
-            raise ValueError("far_window and far_retrieved must be >= 1 and max_context >= 2")
+        if min(self.far_window, self.far_retrieved) < 1:
+            raise ValueError("far_window and far_retrieved must be >= 1")
+        if self.max_context < 2:
+            raise ValueError(f"a conversation must be allowed at least 2 tokens (max_context), got {self.max_context}")
 
     @property
     def words(self) -> int:

@@ -630,6 +630,14 @@ def test_the_disk_budget_on_the_command_line():
     assert (config.disk_budget_bytes, config.store.disk_budget_bytes) == (20 * 10**9, 20 * 10**9)
 
 
+def test_the_context_cap_on_the_command_line(capsys):
+    assert app.startup_config(app.parse_args([]), {}).spotlight.max_context == 1_000_000
+    config = app.startup_config(app.parse_args(["--max-context-tokens", "200000"]), {"spotlight_ratio": 0.05})
+    assert (config.spotlight.max_context, config.spotlight.ratio) == (200_000, 0.05)
+    assert app.main(["--max-context-tokens", "1"]) == 2
+    assert capsys.readouterr().err == "error: a conversation must be allowed at least 2 tokens (max_context), got 1\n"
+
+
 def test_a_bad_disk_budget_stops_the_app_with_the_reason(capsys):
     assert app.main(["--disk-budget-gb", "0"]) == 2
     assert capsys.readouterr().err == "error: the disk budget for the cache must be positive, got 0 bytes\n"
