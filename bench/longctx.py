@@ -12,7 +12,7 @@ the same way (higher is better, 0 = certain). Side by side, in one run:
 * `sinks+window`: the same budget without retrieval (SinkWindowSelector, StreamingLLM);
 * `truncated`: dense attention over the template and the document's last tokens that fit the
   window with the question (what other local apps do);
-* `dense ~7K`: the reference, dense attention over the same needles and questions in a
+* `dense in window`: the reference, dense attention over the same needles and questions in a
   haystack that fits the window (the model's own ability).
 
 Speed: while the Spotlight context of the longest length is prefilled, the tokens/s of its first
@@ -209,7 +209,7 @@ def engines(model: str):
     return spot, sink, spot.with_spotlight(SpotlightConfig(enabled=False))
 
 
-METHODS = ("spotlight", "sinks+window", "truncated", "dense ~7K")
+METHODS = ("spotlight", "sinks+window", "truncated", "dense in window")
 
 
 def main(argv=None) -> dict:
@@ -230,7 +230,7 @@ def main(argv=None) -> dict:
     hay = essay_ids(spot)
     reference = haystack(spot, hay, window - QUESTION_ROOM)
     log(f"window {window:,}; essays {len(hay):,} tokens; lengths {lengths}")
-    answers = {"dense ~7K": ask_all(dense, reference, "dense ~7K", "reference")[0]}
+    answers = {"dense in window": ask_all(dense, reference, "dense in window", "reference")[0]}
     cells, speed, n_tokens = {}, {}, {}
     for length in lengths:
         prompt = haystack(spot, hay, length)
@@ -240,12 +240,17 @@ def main(argv=None) -> dict:
         cells[(length, "sinks+window")], _ = ask_all(sink, prompt, "sinks+window", f"{length:,}")
         cells[(length, "truncated")], _ = ask_all(dense, truncated(spot, prompt, window - QUESTION_ROOM),
                                                   "truncated", f"{length:,}")
-        cells[(length, "dense ~7K")] = answers["dense ~7K"]
+        cells[(length, "dense in window")] = answers["dense in window"]
     rows = needle_rows(lengths, n_tokens, cells) + speed_rows(lengths, speed)
     targets = needle_targets(lengths, cells) + speed_targets(max(lengths), speed[max(lengths)])
     notes = notes_for(spot, lengths, len(reference), time.perf_counter() - started)
-    return finish("longctx", args, rows, targets, title="Long context: needles and speed past the window (issue #21)",
-                  notes=notes)
+    other = args.model != SMALL_MODEL  # another model's run: a section of its own
+    given = (f" --model {args.model}" if other else "") + (f" --lengths {args.lengths}" if args.lengths else "") \
+        + (" --full" if args.full and not args.lengths else "")
+    return finish(f"longctx-{Path(args.model).name}" if other else "longctx", args, rows, targets,
+                  title="Long context: needles and speed past the window (issue #21)"
+                  + (f": {Path(args.model).name}" if other else ""), notes=notes,
+                  command="longctx" + given)
 
 
 def needle_rows(lengths, n_tokens, cells) -> list[dict]:
@@ -258,8 +263,8 @@ def needle_rows(lengths, n_tokens, cells) -> list[dict]:
                             "found": sum(r["found"] for r in mine),
                             "numbers": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "number"),
                             "phrases": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "phrase"),
-                            "of dense ~7K's": sum(r["found"] and d["found"]
-                                                  for r, d in zip(mine, cells[(length, "dense ~7K")])),
+                            "of dense in window's": sum(r["found"] and d["found"]
+                                                  for r, d in zip(mine, cells[(length, "dense in window")])),
                             "mean answer log-prob": sum(r["logprob"] for r in mine) / len(mine)})
     detail = []
     for length in lengths:
@@ -295,7 +300,7 @@ def _ratio(s: dict, what: str) -> float:
 
 def needle_targets(lengths, cells) -> list[Target]:
     out = []
-    reference = sum(r["found"] for r in cells[(lengths[0], "dense ~7K")])
+    reference = sum(r["found"] for r in cells[(lengths[0], "dense in window")])
     for length in lengths:
         mine = sum(r["found"] for r in cells[(length, "spotlight")])
         share = mine / reference if reference else float("nan")
@@ -327,7 +332,7 @@ def notes_for(engine, lengths, reference_tokens, seconds) -> str:
         f"natural start; 0 = certain). spotlight = the app's path past the window (sinks {cfg.sinks} + "
         f"retrieved {cfg.far_retrieved:,} re-positioned + last {cfg.far_window:,} tokens); sinks+window = the same "
         f"budget without retrieval; truncated = dense over the template and the document's last tokens "
-        f"({engine.native_window - QUESTION_ROOM:,} in all); dense ~7K = the same needles and questions in a "
+        f"({engine.native_window - QUESTION_ROOM:,} in all); dense in window = the same needles and questions in a "
         f"{reference_tokens:,}-token haystack, dense (the model's own ability, the reference). Speed: in the "
         f"Spotlight context of the longest length, prefill tokens/s of its first {SPEED_AT:,} tokens and of the whole, "
         f"decode tokens/s ({SPEED_TOKENS} greedy tokens) at {SPEED_AT:,} (inside the window) and at the whole "
