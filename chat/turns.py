@@ -14,7 +14,7 @@ then, outside the gate, store those spans (cachesync.write) and yield the final 
 stored chain always equals what the renderer gives for the conversation.
 
 A resume (reading an upload into the cache) prefills in stages of `checkpoint_tokens` and stores
-the spans each stage completes before the next starts (`_prefill_saving`): a stop, a crash or a
+the spans each stage completes before the next starts (`_prefill_stages`): a stop, a crash or a
 restart part way loses at most one stage, and the next restore loads what was stored. A reply
 whose document prefix is far from read (its ingest was stopped or killed) first reads the rest of
 the prefix the same way.
@@ -157,9 +157,10 @@ class TurnRunner:
             context, restored = self._prepare(session_id, rendering, cancel)
             context.truncate(context.common_prefix(list(rendering.ids)))
             report.computed_tokens = len(rendering) - len(context.tokens)
-            finished, notices = self._prefill_saving(session_id, context, rendering, message_ids, len(rendering),
-                                                     cancel=cancel, progress=progress)
-            if not finished:
+            notices = [notice for stage in self._prefill_stages(session_id, context, rendering, message_ids,
+                                                                len(rendering), cancel=cancel, progress=progress)
+                       for notice in stage]
+            if len(context.tokens) < len(rendering):
                 notices.append(READ_STOPPED.format(done=len(context.tokens), total=len(rendering)))
         report.from_memory = restored is None
         if restored is not None:
@@ -187,14 +188,14 @@ class TurnRunner:
         self.pool.put(session_id, context)
         return context, restored
 
-    def _prefill_saving(self, session_id: SessionId, context: Context, rendering: Rendering, message_ids, end: int,
+    def _prefill_stages(self, session_id: SessionId, context: Context, rendering: Rendering, message_ids, end: int,
                         *, cancel, progress: PrefillProgress | None = None,
-                        prefix_only: bool = False) -> tuple[bool, list[str]]:
+                        prefix_only: bool = False) -> Iterator[list[str]]:
         """Prefill `rendering.ids` up to `end` in stages of `checkpoint_tokens`, storing after
         each stage (and after a stop) the spans that lie wholly in what is computed, so a stop, a
-        crash or a restart loses at most one stage. `progress(done, end)` counts from position 0.
-        Returns (all prefilled, notices of spans that could not be stored). Under the gate."""
-        notices: list[str] = []
+        crash or a restart loses at most one stage. Yields each stage's notices (spans that could
+        not be stored); ends when `end` is reached or the prefill was stopped. `progress(done, end)`
+        counts from position 0. Under the gate."""
         ids = list(rendering.ids)
         while len(context.tokens) < end:
             start = len(context.tokens)
@@ -203,10 +204,9 @@ class TurnRunner:
             finished = self.engine.prefill(context, stage, cancel=cancel, progress=report)
             parts = [part for part in self.sync.plan(session_id, rendering, message_ids, prefix_only=prefix_only)
                      if part.end <= len(context.tokens)]
-            notices += self.sync.write(session_id, rendering, self.sync.snapshot(context, parts))
+            yield self.sync.write(session_id, rendering, self.sync.snapshot(context, parts))
             if not finished:
-                return False, notices
-        return True, notices
+                return
 
     def _read_prefix(self, session_id: SessionId, context: Context, prompt: Rendering, turn: Turn,
                      cancel) -> Iterator[Turn]:
@@ -221,9 +221,7 @@ class TurnRunner:
         started = time.perf_counter()
         turn.reading = (start, end)
         yield turn
-        while len(context.tokens) < end and not (cancel is not None and cancel.is_set()):
-            stop = min(end, len(context.tokens) + self.checkpoint_tokens)
-            _, notices = self._prefill_saving(session_id, context, prompt, [], stop, cancel=cancel, prefix_only=True)
+        for notices in self._prefill_stages(session_id, context, prompt, [], end, cancel=cancel, prefix_only=True):
             turn.notices += notices
             turn.reading = (len(context.tokens), end)
             turn.reading_tps = (len(context.tokens) - start) / max(time.perf_counter() - started, 1e-9)
