@@ -117,3 +117,12 @@ def test_the_disk_messages_say_what_is_needed_and_what_to_do():
         "again.")
     assert [size_text(n) for n in (850_000, 4_200_000, 310_000_000, 13_100_000_000)] == [
         "850 KB", "4.2 MB", "310 MB", "13.1 GB"]
+
+
+def test_impossible_checkpoint_and_disk_settings_are_refused_in_words():
+    with pytest.raises(ValueError) as error:
+        AppConfig(checkpoint_tokens=0)
+    assert str(error.value) == "checkpoint_tokens must be at least 1, got 0"
+    with pytest.raises(ValueError) as error:
+        AppConfig(disk_budget_bytes=-5)
+    assert str(error.value) == "the disk budget for the cache must be positive, got -5 bytes"
