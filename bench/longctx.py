@@ -221,7 +221,14 @@ def main(argv=None) -> dict:
     p.add_argument("--model", default=SMALL_MODEL, metavar="NAME|PATH",
                    help=f"the model (default: {SMALL_MODEL}, whose 8K window the lengths reach past; a model with "
                         "a 32K window, like the app's default, needs --lengths of 65536 and more)")
+    p.add_argument("--methods", default=",".join(METHODS[:3]), metavar="LIST",
+                   help="comma-separated methods past the window, of " + ", ".join(METHODS[:3])
+                        + " (default: all; dense in window always runs, the reference)")
     args = p.parse_args(argv)
+    methods = tuple(m for m in METHODS if m in args.methods.split(",") or m == "dense in window")
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown or "spotlight" not in methods:
+        p.error(f"--methods takes spotlight (always) and any of {', '.join(METHODS[1:3])}; got {args.methods!r}")
     lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
                else (FULL if args.full else QUICK)["lengths"])
     started = time.perf_counter()
@@ -237,26 +244,31 @@ def main(argv=None) -> dict:
         n_tokens[length] = len(prompt)
         cells[(length, "spotlight")], speed[length] = ask_all(
             spot, prompt, "spotlight", f"{length:,}", SPEED_AT if length == max(lengths) else None)
-        cells[(length, "sinks+window")], _ = ask_all(sink, prompt, "sinks+window", f"{length:,}")
-        cells[(length, "truncated")], _ = ask_all(dense, truncated(spot, prompt, window - QUESTION_ROOM),
-                                                  "truncated", f"{length:,}")
+        if "sinks+window" in methods:
+            cells[(length, "sinks+window")], _ = ask_all(sink, prompt, "sinks+window", f"{length:,}")
+        if "truncated" in methods:
+            cells[(length, "truncated")], _ = ask_all(dense, truncated(spot, prompt, window - QUESTION_ROOM),
+                                                      "truncated", f"{length:,}")
         cells[(length, "dense in window")] = answers["dense in window"]
-    rows = needle_rows(lengths, n_tokens, cells) + speed_rows(lengths, speed)
+    rows = needle_rows(lengths, n_tokens, cells, methods) + speed_rows(lengths, speed)
     targets = needle_targets(lengths, cells) + speed_targets(max(lengths), speed[max(lengths)])
     notes = notes_for(spot, lengths, len(reference), time.perf_counter() - started)
+    if methods != METHODS:
+        notes += f" This run measured only: {', '.join(methods)}."
     other = args.model != SMALL_MODEL  # another model's run: a section of its own
     given = (f" --model {args.model}" if other else "") + (f" --lengths {args.lengths}" if args.lengths else "") \
-        + (" --full" if args.full and not args.lengths else "")
+        + (" --full" if args.full and not args.lengths else "") \
+        + (f" --methods {args.methods}" if methods != METHODS else "")
     return finish(f"longctx-{Path(args.model).name}" if other else "longctx", args, rows, targets,
                   title="Long context: needles and speed past the window (issue #21)"
                   + (f": {Path(args.model).name}" if other else ""), notes=notes,
                   command="longctx" + given)
 
 
-def needle_rows(lengths, n_tokens, cells) -> list[dict]:
+def needle_rows(lengths, n_tokens, cells, methods=METHODS) -> list[dict]:
     summary = []
     for length in lengths:
-        for method in METHODS:
+        for method in methods:
             mine = cells[(length, method)]
             summary.append({"part": "needles found (of 10: 5 numbers + 5 phrases)", "length": f"{length:,}",
                             "prompt tokens": n_tokens[length], "method": method,
@@ -271,7 +283,7 @@ def needle_rows(lengths, n_tokens, cells) -> list[dict]:
         for i, needle in enumerate(NEEDLES):
             row = {"part": "each needle: found, answer log-prob", "length": f"{length:,}", "depth": needle.depth,
                    "answer": needle.answer}
-            for method in METHODS:
+            for method in methods:
                 r = cells[(length, method)][i]
                 row[method] = f"{'yes' if r['found'] else 'no'} {r['logprob']:.2f}"
             row["spotlight's reply"] = cells[(length, "spotlight")][i]["reply"][:40]
@@ -330,7 +342,8 @@ def notes_for(engine, lengths, reference_tokens, seconds) -> str:
         f"the reply) and truncated back; beside it the log-probability of the answer tokens teacher-forced after the "
         f"question and the needle's own frame (e.g. \"The special magic number for the city of Lisbon is\", the replies' "
         f"natural start; 0 = certain). spotlight = the app's path past the window (sinks {cfg.sinks} + "
-        f"retrieved {cfg.far_retrieved:,} re-positioned + last {cfg.far_window:,} tokens); sinks+window = the same "
+        f"retrieved {cfg.far_retrieved:,} re-positioned + last {cfg.far_window:,} tokens; far candidates scored "
+        f"in blocks of {cfg.far_fold:,} by the query turned back to them (far_fold; 0 = at true distances)); sinks+window = the same "
         f"budget without retrieval; truncated = dense over the template and the document's last tokens "
         f"({engine.native_window - QUESTION_ROOM:,} in all); dense in window = the same needles and questions in a "
         f"{reference_tokens:,}-token haystack, dense (the model's own ability, the reference). Speed: in the "

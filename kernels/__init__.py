@@ -37,7 +37,7 @@ from .encode import MlpCoder, mlp_codes
 from .ranges import bit_counts, pick_ranges, span_scores
 
 __all__ = [
-    "pack", "pack_into", "scores", "select", "score_select", "make_scratch", "gather",
+    "pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "make_scratch", "gather",
     "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
     "set_threads", "attend", "gather_attend", "make_attend_scratch", "mlp_codes", "MlpCoder",
     "bit_counts", "span_scores", "pick_ranges", "ranges_score_select",
@@ -79,7 +79,7 @@ def use_backend(name: str):
 
 @functools.cache
 def _numpy_backend():
-    names = ("pack", "pack_into", "scores", "select", "score_select", "gather")
+    names = ("pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "gather")
     funcs = {name: functools.partial(getattr(cpu, name), jit=False) for name in names}
     funcs.update({name: functools.partial(getattr(_attend, name), jit=False) for name in ("attend", "gather_attend")})
     funcs["ranges_score_select"] = functools.partial(_ranges.ranges_score_select, jit=False)
@@ -89,7 +89,7 @@ def _numpy_backend():
 @functools.cache
 def _cpu_backend():
     """kernels/cpu.py plus the CPU attention kernels, as one namespace."""
-    names = ("pack", "pack_into", "scores", "select", "score_select", "gather", "make_scratch")
+    names = ("pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "gather", "make_scratch")
     funcs = {name: getattr(cpu, name) for name in names}
     funcs.update({name: getattr(_attend, name) for name in ("attend", "gather_attend", "make_attend_scratch")})
     funcs["ranges_score_select"] = _ranges.ranges_score_select
@@ -126,6 +126,16 @@ def scores(q_codes, k_codes, n: int, out=None):
     q_codes (H, W), k_codes (Hkv, W, N) with n <= N valid tokens; out: C-contiguous int32 (Hkv, n).
     """
     return _pick(k_codes).scores(q_codes, k_codes, n, out=out)
+
+
+def scores_blocks(q_codes, k_codes, n: int, bounds, out=None):
+    """int32 (Hkv, n): `scores` with a query of its own per token block: token t with
+    bounds[r] <= t < bounds[r + 1] scored against q_codes[r] (R, H, W); 0 outside the blocks.
+
+    Past the model's window each block of far tokens is scored by the query turned back by a
+    multiple of the block size (CodeSelector.select_far). bounds: R + 1 ascending ints in [0, n].
+    """
+    return _pick(k_codes).scores_blocks(q_codes, k_codes, n, bounds, out=out)
 
 
 def select(scores_, k: int, sinks: int, window: int, out=None, scratch=None):

@@ -465,6 +465,17 @@ if HAVE_NUMBA:
                 count = min(TILE, n - t0)
                 _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags, g_tag, w_tag)
 
+    @njit(cache=True)
+    def _scores_blocks_jit(q, k, bounds, flags, out, g_tag, w_tag):
+        """Score rows over ascending token blocks, block r with its own query codes q[r]; one thread."""
+        hkv, _, capacity = k.shape
+        for r in range(len(bounds) - 1):
+            for h in range(hkv):
+                qh = ~q[r, h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
+                for t0 in range(bounds[r], bounds[r + 1], TILE):
+                    count = min(TILE, bounds[r + 1] - t0)
+                    _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags, g_tag, w_tag)
+
 
 # ----------------------------------------------------------------------------- scratch
 
@@ -586,6 +597,39 @@ def scores(q_codes, k_codes, n: int, out=None, *, jit: bool = True) -> np.ndarra
         _scores_jit(q, k, n, flags, dest, *tags(group, words))
     else:
         _scores_numpy(q, k, n, group, dest)
+    return dest
+
+
+def check_blocks(q: np.ndarray, bounds, n: int) -> np.ndarray:
+    """bounds as int64 (R + 1,), checked: ascending within [0, n], one per block of q (R, H, W) and one more."""
+    b = np.asarray(bounds, dtype=np.int64)
+    if q.ndim != 3 or b.ndim != 1 or b.shape[0] != q.shape[0] + 1:
+        raise ValueError(f"q_codes must be (R, H, W) with R + 1 bounds, got {q.shape} and {b.shape}")
+    if b.shape[0] and (b[0] < 0 or b[-1] > n or np.any(np.diff(b) < 0)):
+        raise ValueError(f"bounds must ascend within [0, {n}], got {b.tolist()}")
+    return b
+
+
+def scores_blocks(q_codes, k_codes, n: int, bounds, out=None, *, jit: bool = True) -> np.ndarray:
+    """int32 (Hkv, n): token t in block r (bounds[r] <= t < bounds[r + 1]) scored as `scores` does with
+    the query codes q_codes[r] (R, H, W); 0 outside [bounds[0], bounds[-1]). One thread."""
+    q, k = as_codes(q_codes, "q_codes"), as_codes(k_codes, "k_codes")
+    b = check_blocks(q, bounds, n)
+    hkv, group, words = check_codes(q[0] if len(q) else q.reshape(-1, k.shape[1]), k, n)
+    dest = result(out, (hkv, n), np.int32)
+    if len(q) == 0:
+        dest[...] = 0
+        return dest
+    dest[:, : b[0]] = 0
+    dest[:, b[-1] :] = 0
+    if jit and HAVE_NUMBA:
+        _scores_blocks_jit(q, k, b, np.empty(TILE, np.uint8), dest, *tags(group, words))
+        return dest
+    for r in range(len(q)):
+        lo, hi = int(b[r]), int(b[r + 1])
+        whole = np.empty((hkv, hi), np.int32)  # (Hkv, hi)
+        _scores_numpy(q[r], k, hi, group, whole)
+        dest[:, lo:hi] = whole[:, lo:hi]
     return dest
 
 

@@ -218,6 +218,29 @@ def scores(q_codes, k_codes, n: int, out=None):
     return dest
 
 
+def scores_blocks(q_codes, k_codes, n: int, bounds, out=None):
+    """int32 (Hkv, n), as kernels/cpu.py `scores_blocks`.
+
+    NOTE: one `hamming_scores` launch per block over [0, block end), of which the block's slice is
+    kept: R launches and up to R x n scores where one pass would do (a block-aware kernel is to come).
+    """
+    cp = _cupy()
+    q, k = _codes(q_codes, "q_codes"), _codes(k_codes, "k_codes")
+    b = [int(x) for x in bounds]
+    if q.ndim != 3 or len(b) != q.shape[0] + 1 or any(y < x for x, y in zip(b, b[1:])) or (b and (b[0] < 0 or b[-1] > n)):
+        raise ValueError(f"q_codes must be (R, H, W) with R + 1 bounds ascending within [0, {n}], got {q.shape}, {b}")
+    hkv = k.shape[0]
+    dest = _result(out, (hkv, n), np.int32)
+    dest[...] = 0
+    for r in range(q.shape[0]):
+        lo, hi = b[r], b[r + 1]
+        if hi > lo:
+            whole = cp.empty((hkv, hi), np.int32)  # (Hkv, hi)
+            scores(q[r], k, hi, out=whole)
+            dest[:, lo:hi] = whole[:, lo:hi]
+    return dest
+
+
 def _launch_scores(q, k, n, dest, stride, group, words, hist, bins, lo, hi) -> None:
     shared = group * words * 8 + (bins * 4 if hist is not None else 0)
     _score_kernel("hamming_scores", dest)(

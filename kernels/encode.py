@@ -36,18 +36,18 @@ if HAVE_NUMBA:
     FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
 
     @njit(fastmath=FASTMATH, cache=True, inline="always")
-    def _code_row(x, r, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
-        """out[r] = the packed signs of row r's MLP; y (D,), z (F,), h (C,), power (F,), scale_bits (F,) scratch."""
+    def _code_row(x, r, m, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
+        """out[r] = the packed signs of MLP m on row r; y (D,), z (F,), h (C,), power (F,), scale_bits (F,) scratch."""
         dim, width, bits = x.shape[1], w1.shape[3], w_out.shape[2]
         for d in range(dim):
             y[d] = x[r, d]
         for block in range(depth):
             for f in range(width):
-                z[f] = b1[r, block, 0, f]
+                z[f] = b1[m, block, 0, f]
             for d in range(dim):  # z += y[d] * w1[d, :], vectorised over F
                 yd = y[d]
                 for f in range(width):
-                    z[f] += yd * w1[r, block, d, f]
+                    z[f] += yd * w1[m, block, d, f]
             for f in range(width):  # exp(-z) = 2^(-z log2 e) = power * 2^exponent, vectorised
                 t = min(max(-z[f] * LOG2E, np.float32(-126.0)), np.float32(126.0))
                 power[f], exponent = _exp2_parts(t)
@@ -58,13 +58,13 @@ if HAVE_NUMBA:
             for f in range(width):
                 zf = z[f]
                 for d in range(dim):
-                    y[d] += zf * w2[r, block, f, d]
+                    y[d] += zf * w2[m, block, f, d]
         for c in range(bits):
             h[c] = 0.0
         for d in range(dim):
             yd = y[d]
             for c in range(bits):
-                h[c] += yd * w_out[r, d, c]
+                h[c] += yd * w_out[m, d, c]
         for w in range(out.shape[1]):
             word = np.uint64(0)
             for j in range(min(WORD_BITS, bits - WORD_BITS * w)):
@@ -75,14 +75,22 @@ if HAVE_NUMBA:
     @njit(fastmath=FASTMATH, cache=True)
     def _mlp_codes(x, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
         for r in range(x.shape[0]):
-            _code_row(x, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
+            _code_row(x, r, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
+
+    @njit(fastmath=FASTMATH, cache=True)
+    def _mlp_codes_many(x, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
+        """Row i of x (B * R, D) through MLP i % R: B inputs per MLP, each MLP's weights read while hot."""
+        rows = w_out.shape[0]
+        for i in range(x.shape[0]):
+            m = i % rows
+            _code_row(x, i, m, w1, b1, w2, w_out, depth, out, y[m], z[m], h[m], power[m], scale_bits[m])
 
     @njit(fastmath=FASTMATH, cache=True, parallel=True)
     def _mlp_codes_parallel(x, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
         """_mlp_codes with the rows spread over numba's threads (each row's sums in the same order:
         bit-identical)."""
         for r in prange(x.shape[0]):
-            _code_row(x, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
+            _code_row(x, r, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
 
 
 class MlpCoder:
@@ -126,6 +134,23 @@ class MlpCoder:
             _mlp_codes(x, *self.weights, self.depth, out, *self.scratch)
         else:
             out[...] = _reference(x, *self.weights, self.depth)
+        return out
+
+    def many(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """B inputs per row's MLP at once: x C-contiguous float32 (B, R, D), out uint64 (B, R, W), written
+        and returned; out[b] equals self(x[b], ...) bit for bit (one thread)."""
+        if x.ndim != 3 or x.shape[1:] != self.x_shape or x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError(f"x must be C-contiguous float32 (B, {self.x_shape[0]}, {self.x_shape[1]}), "
+                             f"got {x.dtype} {x.shape}")
+        if out.shape != (x.shape[0], *self.shape) or out.dtype != np.uint64 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous uint64 ({x.shape[0]}, {self.shape[0]}, {self.shape[1]}), "
+                             f"got {out.dtype} {out.shape}")
+        if HAVE_NUMBA:
+            flat = out.reshape(-1, out.shape[-1])  # (B * R, W) view
+            _mlp_codes_many(x.reshape(-1, x.shape[-1]), *self.weights, self.depth, flat, *self.scratch)
+        else:
+            for b in range(x.shape[0]):
+                out[b] = _reference(x[b], *self.weights, self.depth)
         return out
 
 

@@ -26,7 +26,10 @@ the threshold, or without spans, the flat scan runs; it is the reference.
 Past the model's native window (`cache.args.max_seq_len`) every layer, dense layers included,
 reads sinks + `far_window` recent tokens + `far_retrieved` selected ones, re-positioned inside
 the trained range (spotlight/beyond.py); a prefill chunk there selects once for all its queries
-by their majority code (`select_chunk`). Within the window nothing of this runs.
+by their majority code. With `far_fold` (the default) the candidates are scored in blocks, each
+by the query turned back to see them about where they will be read (`select_far`: the flat scan,
+also where spans exist); with 0, at their true distances (`select_chunk` / `select`). Within the
+window nothing of this runs.
 
 Fast path (CPU, fp32 cache, numba): attention reads the selected rows in place
 (`kernels.gather_attend`, no gathered copies) and dense layers stream the cache once
@@ -82,6 +85,12 @@ class Selector(Protocol):
     def select_chunk(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int,
                      two_level: bool):
         """One selection among the first n cached tokens for all T queries q (H, T, D) of a chunk."""
+
+    def select_far(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int,
+                   fold: int, rotations: Rotations):
+        """Past the native window: one selection among the first n cached tokens for the T >= 1
+        queries q (H, T, D) that follow them, each block of `fold` candidates scored as if it lay
+        just before the local window (the flat scan; a decode step has T = 1)."""
 
 
 class DecodePolicy(Protocol):
@@ -240,8 +249,12 @@ class SpotlightDecode:
         if not self.beyond(cache, past + T):
             return causal_attention(q, cache.keys(layer, T), cache.values(layer, T))  # (H, T, D)
         sinks, retrieved, window = self.far_budget
-        two_level = self.uses_spans(cache, past)
-        idx = self.selector.select_chunk(layer, q, cache, past, retrieved, sinks, window, two_level)
+        if self.config.far_fold:  # the flat scan, folded (two-level has no folded scan yet)
+            idx = self.selector.select_far(layer, q, cache, past, retrieved, sinks, window, self.config.far_fold,
+                                           self.rotations(cache))
+        else:
+            idx = self.selector.select_chunk(layer, q, cache, past, retrieved, sinks, window,
+                                             self.uses_spans(cache, past))
         local = _local(past, retrieved, sinks, window)  # the window's columns keep their positions
         return remapped_chunk(q, cache.k[layer], cache.v[layer], idx, past, self.rotations(cache), local)
 
@@ -254,7 +267,7 @@ class SpotlightDecode:
         n = cache.length + 1  # the key of the token being decoded is already written
         if self.beyond(cache, n):
             sinks, retrieved, window = self.far_budget
-            idx = self._select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K)
+            idx = self._select(layer, q, cache, n, retrieved, sinks, window, far=True)  # (Hkv, K)
             local = _local(n, retrieved, sinks, window)
             return self.attend.remapped(layer, q, cache, idx, n, local, self.rotations(cache))  # (H, 1, D)
         if self.is_dense(layer, n):
@@ -265,11 +278,18 @@ class SpotlightDecode:
         idx = self._select(layer, q, cache, n, retrieved, c.sinks, c.window)  # (Hkv, K) int
         return self.attend.sparse(layer, q, cache, idx)  # (H, 1, D)
 
-    def _select(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
-        """The selector's (Hkv, K) pick for a decode step, flat or two-level, kept as `selection(layer)`."""
-        two_level = self.uses_spans(cache, n)
-        select = self.selector.select_spans if two_level else self.selector.select
-        idx = select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K) int
+    def _select(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int,
+                far: bool = False):
+        """The selector's (Hkv, K) pick for a decode step, flat or two-level (`far`: past the window,
+        folded when far_fold is set), kept as `selection(layer)`."""
+        folded = far and bool(self.config.far_fold)  # past the window: the folded flat scan
+        two_level = not folded and self.uses_spans(cache, n)
+        if folded:
+            idx = self.selector.select_far(layer, q, cache, n, retrieved, sinks, window, self.config.far_fold,
+                                           self.rotations(cache))
+        else:
+            select = self.selector.select_spans if two_level else self.selector.select
+            idx = select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K) int
         self.selections["two_level" if two_level else "flat"] += 1
         self._selected[layer] = idx
         return idx
@@ -317,6 +337,7 @@ class CodeSelector:
         self._k_codes = None  # (Hkv, W) uint64: a decode step's key codes
         self._query_coders = {}  # layer -> kernels.MlpCoder over views of the query encoder's weights
         self._key_coders = {}  # layer -> the same for the key encoder
+        self._far_buffer = None  # (Hkv * Ncap,) int32: select_far's scores
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         mlp = self.encoders.key
@@ -371,6 +392,50 @@ class CodeSelector:
             return self._two_level(layer, q_codes, cache, n, retrieved, sinks, window)
         return self._scan(layer, q_codes, cache, n, retrieved, sinks, window)
 
+    def select_far(self, layer, q, cache, n, retrieved, sinks, window, fold, rotations):
+        # The candidates [sinks_end, window_start) in blocks of `fold` counted back from the local
+        # window; block j (0 nearest) is scored by the queries turned back by j * fold positions,
+        # so its keys sit at distances [window, window + fold) (+ i for a chunk's query i): inside
+        # the range the codes were trained on whatever n is, and about where a retrieved key is
+        # read after re-positioning. RoPE scores depend only on the distance, so this is the score
+        # the key would get there. A chunk codes `_FAR_QUERIES` of its queries per block.
+        layout = kernels.selection_layout(n, retrieved, sinks, window)
+        lo, hi = layout.sinks_end, layout.window_start
+        blocks = max(1, -(-(hi - lo) // fold))
+        bounds = [lo] + [hi - j * fold for j in range(blocks - 1, 0, -1)] + [hi]  # ascending
+        back = torch.arange(blocks - 1, -1, -1, dtype=torch.int64) * fold  # (R,): block r turned back
+        q_codes = self._far_codes(layer, q, back, rotations)  # (R, H, W)
+        k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
+        out = self._out(q_codes[0], k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
+        scores = kernels.scores_blocks(q_codes, k_codes, n, bounds, out=self._far_scores(k_codes, n))  # (Hkv, n)
+        return kernels.select(scores, retrieved, sinks, window, out=out, scratch=self._scratch)
+
+    def _far_codes(self, layer, q, back: torch.Tensor, rotations: Rotations):
+        """Packed codes (R, H, W) of q (H, T, D) turned back by `back` (R,) positions: one query's
+        codes for a decode step, the majority code of up to `_FAR_QUERIES` spread queries for a chunk."""
+        H, T, D = q.shape
+        pick = torch.linspace(0, T - 1, min(T, _FAR_QUERIES)).round().to(torch.int64).to(q.device)  # (S,) the last included
+        turned = rotations.rotate_back(q[None, :, pick], back.view(-1, 1, 1).to(q.device), int(back[0]))  # (R, H, S, D)
+        R, S = turned.shape[0], turned.shape[2]
+        mlp = self.encoders.query
+        if S == 1 and _fused(q, mlp):
+            codes = np.empty((R, H, self.code_words), np.uint64)  # (R, H, W)
+            return _coder(mlp, layer, self._query_coders).many(np.ascontiguousarray(turned[:, :, 0].numpy()), codes)
+        h = self.encoders.query_bits(layer, turned.permute(1, 0, 2, 3).reshape(H, R * S, D)).detach().float()
+        majority = (h.view(H, R, S, -1) > 0).float().mean(2) - 0.5  # (H, R, C): > 0 where most set the bit
+        majority = majority.transpose(0, 1).contiguous()  # (R, H, C)
+        if not majority.is_cuda:
+            return kernels.pack(majority.numpy())  # (R, H, W)
+        return kernels.pack(majority, out=torch.empty((R, H, self.code_words), dtype=torch.int64, device=q.device))
+
+    def _far_scores(self, k_codes, n: int):
+        """A C-contiguous int32 (Hkv, n) view of a buffer of the code buffer's capacity, made once."""
+        hkv, capacity = k_codes.shape[0], k_codes.shape[2]
+        if self._far_buffer is None or self._far_buffer.shape[0] != hkv * capacity:
+            self._far_buffer = (np.empty(hkv * capacity, np.int32) if isinstance(k_codes, np.ndarray)
+                                else torch.empty(hkv * capacity, dtype=torch.int32, device=k_codes.device))
+        return self._far_buffer[: hkv * n].reshape(hkv, n)
+
     def _scan(self, layer, q_codes, cache, n, retrieved, sinks, window):
         """The flat scan for query codes (H, W) over the first n key codes of `layer`."""
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
@@ -411,6 +476,9 @@ class CodeSelector:
         return self._selected
 
 
+_FAR_QUERIES = 16  # a chunk past the window codes this many of its queries per block (select_far)
+
+
 def _fused(x: torch.Tensor, mlp) -> bool:
     """Whether `kernels.MlpCoder` serves x: numba, and x and the encoder fp32 on the CPU."""
     return (kernels.cpu.HAVE_NUMBA and x.device.type == mlp.w_out.device.type == "cpu"
@@ -442,6 +510,10 @@ class _Uncoded:
 
     def select_chunk(self, layer, q, cache, n, retrieved, sinks, window, two_level):
         """`select` for the chunk's mean query (H, 1, D)."""
+        return self.select(layer, q.mean(1, keepdim=True), cache, n, retrieved, sinks, window)
+
+    def select_far(self, layer, q, cache, n, retrieved, sinks, window, fold, rotations):
+        """`select` (a chunk: its mean query) at true distances: exact scores need no folding to compare."""
         return self.select(layer, q.mean(1, keepdim=True), cache, n, retrieved, sinks, window)
 
 

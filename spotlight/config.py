@@ -184,6 +184,12 @@ class SpotlightConfig:
     # trained to attend to (the oracle experiment: 2,048 + 2,048 held a needle at 16K).
     far_window: int = 2048
     far_retrieved: int = 2048
+    # Past the window a key's code is compared with the query turned back by a multiple of this
+    # many tokens, so every candidate is scored as if it lay [far_window, far_window + far_fold)
+    # tokens back, where it is read after re-positioning (CodeSelector.select_far); scored at its
+    # true distance, up to 30x what the codes were trained on, far noise crowds out the answer.
+    # 0: true distances (docs/DECISIONS.md).
+    far_fold: int = 4096
     max_context: int = 1_000_000  # tokens a conversation may hold with Spotlight (the window without)
 
     def __post_init__(self):
@@ -195,6 +201,8 @@ class SpotlightConfig:
             raise ValueError("sinks, window, k_min, dense_below and two_level_from must be >= 0")
         if min(self.far_window, self.far_retrieved) < 1:
             raise ValueError("far_window and far_retrieved must be >= 1")
+        if self.far_fold < 0:
+            raise ValueError(f"far_fold must be >= 0 (0: score far tokens at their true distances), got {self.far_fold}")
         if self.max_context < 2:
             raise ValueError(f"a conversation must be allowed at least 2 tokens (max_context), got {self.max_context}")
 

@@ -83,3 +83,9 @@ class Rotations:
         """Post-RoPE rows x (..., D) moved forward by `deltas` (...,) in [0, largest] positions (see `shift`)."""
         cos, sin = self.cos_sin(deltas, largest)  # (..., D)
         return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+
+    def rotate_back(self, x: torch.Tensor, deltas: torch.Tensor, largest: int) -> torch.Tensor:
+        """Post-RoPE rows x (..., D) moved back by `deltas` (..., broadcast to x's rows) in [0, largest]
+        positions: the inverse rotation, cos - sin (`shift` by -deltas)."""
+        cos, sin = self.cos_sin(deltas, largest)  # (..., D)
+        return (x.float() * cos - rotate_half(x.float()) * sin).to(x.dtype)

@@ -2,10 +2,12 @@
 sinks and retrieved tokens, chunked prefill past the window, and the engine's limits."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 from conftest import tiny_pair
 from spotlight.attention import CodeSelector, DenseDecode, SinkWindowSelector, SpotlightDecode
 from spotlight.beyond import deltas, fitted, remapped_chunk, remapped_decode
@@ -81,6 +83,34 @@ def test_a_small_budget_past_the_window_reads_sinks_retrieved_and_window_only():
     _, dense_decode, _ = run(model, DenseDecode(), PROMPT, STEPS)
     _, sparse_decode, _ = run(model, policy, PROMPT, STEPS)
     assert not torch.allclose(sparse_decode, dense_decode, atol=1e-3)  # it did read less
+
+
+def test_folding_with_one_block_is_the_flat_scan_at_true_distances():
+    """A fold wider than every candidate turns nothing back: the run equals far_fold = 0 exactly
+    (chunks of at most 16 queries code all of them, as select_chunk does)."""
+    model = tiny_model()
+    _, plain, _ = run(model, spotlight(model), PROMPT, STEPS, chunk=16)
+    _, folded, _ = run(model, spotlight(model, far_fold=len(PROMPT) + len(STEPS)), PROMPT, STEPS, chunk=16)
+    torch.testing.assert_close(folded, plain, rtol=0, atol=0)
+
+
+def test_folded_selection_scores_each_block_by_the_query_turned_back_by_its_distance():
+    model = tiny_model()
+    fold = 40
+    policy = spotlight(model, far_fold=fold)
+    _, _, cache = run(model, policy, PROMPT, STEPS[:1])
+    n = cache.length
+    q = torch.randn(model.args.n_heads, 1, model.args.head_dim)  # (H, 1, D): a query at n - 1
+    selector, rotations = policy.selector, policy.rotations(cache)
+    for layer in range(model.args.n_layers):
+        got = np.array(selector.select_far(layer, q, cache, n, 16, 4, 16, fold, rotations))  # (Hkv, K)
+        ends = list(range(n - 16, 4, -fold)) + [4]  # block j: [ends[j + 1], ends[j]), turned back j * fold
+        scores = np.zeros((model.args.n_kv_heads, n), np.int32)
+        for j, (hi, lo) in enumerate(zip(ends, ends[1:])):
+            turned = rotations.rotate_back(q, torch.tensor([j * fold]), j * fold)  # (H, 1, D)
+            codes = np.array(selector.query_codes(layer, turned))  # (H, W)
+            scores[:, lo:hi] = kernels.scores(codes, cache.codes[layer], n)[:, lo:hi]
+        np.testing.assert_array_equal(got, kernels.select(scores, 16, 4, 16))
 
 
 def rope_at(raw: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

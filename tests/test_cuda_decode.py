@@ -42,14 +42,14 @@ def models(dtype):
     return (cpu, encoders), (gpu, copy.deepcopy(encoders).to("cuda"))
 
 
-def run(model, policy, code_words):
-    """Prefill PROMPT (two chunks), decode STEPS one by one: (logits (S, V) on the host, per-step selections, cache)."""
+def run(model, policy, code_words, chunk=CHUNK):
+    """Prefill PROMPT (in chunks), decode STEPS one by one: (logits (S, V) on the host, per-step selections, cache)."""
     cache = KVCache(model.args, 64, dtype=model.tok_embeddings.weight.dtype,
                     device=model.tok_embeddings.weight.device, code_words=code_words)
     logits, recorder = [], SelectionRecorder()
     with torch.inference_mode():
-        model(torch.tensor(PROMPT[:CHUNK]), cache, policy)  # two prefill chunks: the second one is masked
-        model(torch.tensor(PROMPT[CHUNK:]), cache, policy)
+        for start in range(0, len(PROMPT), chunk):  # the second chunk on is masked
+            model(torch.tensor(PROMPT[start : start + chunk]), cache, policy)
         for token in STEPS:
             logits.append(model(torch.tensor([token]), cache, policy, observers=[recorder]).double().cpu())
             recorder.on_step(cache.length)  # the decode loop's call (spotlight/generate.py)
@@ -102,3 +102,21 @@ def test_cuda_bf16_selection_has_sinks_window_and_the_budget():
             assert row == sorted(set(row)), f"layer {layer}: ascending and distinct"
             assert set(range(CONFIG.sinks)) | set(range(n - CONFIG.window, n)) <= set(row)
             assert 0 <= row[0] and row[-1] < n
+
+
+def test_cuda_folded_selection_past_the_window_equals_the_cpu_path_in_float64():
+    """Past a 64-token window with far_fold: the blocks' turned-back query codes, the block scores
+    (kernels.scores_blocks) and the selections are the CPU path's, step by step."""
+    ref, ours = tiny_pair("llama", seed=3, max_position_embeddings=64)
+    encoders = Encoders(EncoderSpec.for_model(ours.args, CONFIG.bits), seed=3)
+    config = SpotlightConfig(dense_layers=(), dense_below=0, sinks=4, window=16, bits=CONFIG.bits, far_window=16,
+                             far_retrieved=16, far_fold=40)
+    results = []
+    for device, enc in (("cpu", encoders), ("cuda", copy.deepcopy(encoders).to("cuda"))):
+        model = build_model(ours.args, dict(ref.state_dict()), dtype=torch.float64, device=device)
+        results.append(run(model, SpotlightDecode(config, CodeSelector(enc)), code_words=2, chunk=32))
+    (cpu_logits, cpu_sel, _), (gpu_logits, gpu_sel, _) = results
+    for step, (want, got) in enumerate(zip(cpu_sel, gpu_sel)):
+        for layer in want:
+            np.testing.assert_array_equal(got[layer], want[layer], err_msg=f"step {step}, layer {layer}")
+    torch.testing.assert_close(gpu_logits, cpu_logits, rtol=0, atol=1e-6)

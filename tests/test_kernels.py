@@ -188,6 +188,29 @@ def test_scores_out_buffer_is_reused(backend):
         np.testing.assert_array_equal(backend.get(out), ref_scores(q, k, 50))
 
 
+@pytest.mark.parametrize("hkv,group,words,n", CASES[1:])
+def test_scores_blocks_score_each_block_with_its_own_query(backend, hkv, group, words, n):
+    """Block r of [bounds[r], bounds[r + 1]) scored against q_codes[r]; 0 outside the blocks."""
+    rng = np.random.default_rng(n + 1)
+    blocks = 3
+    q = rng.integers(0, 2**64, size=(blocks, hkv * group, words), dtype=np.uint64)  # (R, H, W)
+    _, k = random_codes(rng, hkv, group, words, n + 5)
+    bounds = [min(n, 1), n // 3, n // 3, n - 1]  # an empty block among them
+    expected = np.zeros((hkv, n), np.int64)
+    for r in range(blocks):
+        expected[:, bounds[r] : bounds[r + 1]] = ref_scores(q[r], k, n)[:, bounds[r] : bounds[r + 1]]
+    got = backend.get(kernels.scores_blocks(backend.put(q), backend.put(k), n, bounds))
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_scores_blocks_refuse_bounds_that_do_not_ascend():
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 2**64, size=(2, 2, 1), dtype=np.uint64)
+    _, k = random_codes(rng, 1, 2, 1, 20)
+    with pytest.raises(ValueError, match="bounds must ascend within"):
+        kernels.scores_blocks(q, k, 20, [0, 15, 10])
+
+
 # ----------------------------------------------------------------------------- select
 
 
@@ -556,6 +579,19 @@ def test_mlp_coder_refuses_wrong_shapes_and_dtypes_with_what_it_needs(change, me
     x, weights = change(*mlp_inputs(np.random.default_rng(4)))
     with pytest.raises(ValueError, match=message):
         kernels.MlpCoder(*weights, 2)(x, np.empty((9, 2), np.uint64))
+
+
+def test_mlp_coder_codes_many_inputs_per_row_as_one_call_each_does():
+    """`many` (B inputs through each row's MLP, select_far's turned-back queries) gives the same
+    bits as B calls, and refuses an x whose rows do not match the coder's."""
+    rng = np.random.default_rng(6)
+    _, weights = mlp_inputs(rng)
+    coder = kernels.MlpCoder(*weights, 2)
+    xs = rng.standard_normal((5, 9, 64)).astype(np.float32)  # (B, R, D)
+    got = coder.many(xs, np.empty((5, 9, 2), np.uint64))
+    np.testing.assert_array_equal(got, np.stack([coder(x, np.empty((9, 2), np.uint64)).copy() for x in xs]))
+    with pytest.raises(ValueError, match=r"x must be C-contiguous float32 \(B, 9, 64\)"):
+        coder.many(xs[:, :4].copy(), np.empty((5, 4, 2), np.uint64))
 
 
 def test_mlp_coder_refuses_more_blocks_than_stacked():

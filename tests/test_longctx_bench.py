@@ -1,5 +1,5 @@
 """bench/longctx.py's needle planting and scoring, on strings (no model)."""
-from bench.longctx import NEEDLES, found, plant
+from bench.longctx import NEEDLES, found, needle_rows, plant
 
 
 def sentence_start(text, at):
@@ -37,3 +37,14 @@ def test_the_forced_reply_is_the_needle_sentence_up_to_its_answer():
     assert [(number.frame, number.forced_answer), (phrase.frame, phrase.forced_answer)] == [
         ("The special magic number for the city of Lisbon is", " 7481"),
         ("The secret word for the old harbor is '", "blue lantern")]
+
+
+def test_a_run_of_fewer_methods_tabulates_only_those_beside_the_reference():
+    hit, miss = {"found": True, "logprob": -0.5, "reply": "yes"}, {"found": False, "logprob": -9.0, "reply": "no"}
+    cells = {(100, "spotlight"): [hit] * 4 + [miss] * 6, (100, "dense in window"): [hit] * 8 + [miss] * 2}
+    rows = needle_rows([100], {100: 98}, cells, ("spotlight", "dense in window"))
+    summary = [(r["method"], r["found"], r["of dense in window's"]) for r in rows if "method" in r]
+    assert summary == [("spotlight", 4, 4), ("dense in window", 8, 8)]
+    detail = [r for r in rows if "depth" in r]
+    assert len(detail) == len(NEEDLES) and set(detail[0]) == {
+        "part", "length", "depth", "answer", "spotlight", "dense in window", "spotlight's reply"}

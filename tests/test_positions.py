@@ -71,3 +71,15 @@ def test_a_key_rotated_in_fp32_by_the_tables_equals_rope_at_the_new_position_in_
     at_new = apply_rope(raw, *rope_angles(inv_freq, target, dtype=torch.float64))
     torch.testing.assert_close(moved.double(), at_new, rtol=0, atol=2e-5)
     torch.testing.assert_close(shift(cached, target - POSITIONS, inv_freq), at_new, rtol=0, atol=1e-9)
+
+
+def test_a_query_turned_back_in_fp32_equals_rope_at_the_earlier_position():
+    torch.manual_seed(3)
+    inv_freq = rope_inv_freq(ARGS)
+    raw = torch.randn(3, len(POSITIONS), ARGS.head_dim, dtype=torch.float64)  # (H, T, D)
+    at = POSITIONS + 1_000_000
+    cached = apply_rope(raw, *rope_angles(inv_freq, at, dtype=torch.float64))
+    back = torch.arange(len(POSITIONS)) * 99_991  # (T,) up to ~700K back
+    turned = Rotations(inv_freq).rotate_back(cached.float(), back, largest=int(back.max()))
+    expected = apply_rope(raw, *rope_angles(inv_freq, at - back, dtype=torch.float64))
+    torch.testing.assert_close(turned.double(), expected, rtol=0, atol=2e-5)
