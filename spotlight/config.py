@@ -174,6 +174,7 @@ class SpotlightConfig:
     dense_below: int = 2048  # contexts shorter than this use dense attention everywhere
     # From this many cached tokens on, decode picks stored spans by their code summaries first,
     # then tokens inside them (spotlight/twolevel.py); below it the flat scan (the reference) runs.
+    # Past the model's window the folded flat scan runs instead while far_fold is set (below).
     # docs/RESULTS.md "Retrieval kernels": two-level is 4.1x faster at 128K and 5.7x at 512K, but with
     # the trained encoders it keeps 4.3-8.4 recall points less than the flat scan (docs/DECISIONS.md);
     # a flat scan at 32K costs ~0.1 ms per layer, too little to trade.
