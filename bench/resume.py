@@ -250,9 +250,9 @@ def _recompute(engine, ids: list[int]) -> float:
 # ----------------------------------------------------------------------------- --long: a real document past the window
 
 
-def write_long(engine, home: Path, n_tokens: int) -> tuple[str, float, object]:
+def write_long(engine, home: Path, n_tokens: int) -> tuple[str, float]:
     """A conversation whose document holds `n_tokens` essay tokens, read and answered once by a
-    ChatService from nothing: (session id, seconds from the question to its first token, the Turn)."""
+    ChatService from nothing: (session id, seconds from the attach to the answer's first token)."""
     from bench.decode import essay_ids
 
     writer = service(engine, home)
@@ -261,9 +261,9 @@ def write_long(engine, home: Path, n_tokens: int) -> tuple[str, float, object]:
     started = time.perf_counter()
     writer.attach_text(session.id, "essays.txt", text)
     attached = time.perf_counter() - started
-    seconds, turn = first_turn_seconds(writer.send(session.id, QUESTIONS[0]))
+    seconds, _ = first_turn_seconds(writer.send(session.id, QUESTIONS[0]))
     writer.close()
-    return session.id, attached + seconds, turn
+    return session.id, attached + seconds
 
 
 def resume_long(home: str, session_id: str, model: str, threads: int | None) -> dict:
@@ -284,7 +284,7 @@ def resume_long(home: str, session_id: str, model: str, threads: int | None) -> 
 
 def long_row(engine, home: Path, n_tokens: int, model: str, threads: int | None) -> dict:
     log(f"long: reading a {n_tokens:,}-token document and answering (many minutes) ...")
-    session_id, recompute_s, first = write_long(engine, home, n_tokens)
+    session_id, recompute_s = write_long(engine, home, n_tokens)
     log(f"long: first answer after {recompute_s:.0f} s; resuming in a new process ...")
     resumed = in_subprocess(resume_long, str(home), session_id, model, threads)
     log(f"long: resume TTFT {resumed['times']} s")

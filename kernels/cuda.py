@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import CudaUnavailable
-from .cpu import INF_BITS, WORD_BITS, selection_layout, words_for
+from .cpu import INF_BITS, WORD_BITS, check_blocks, selection_layout, words_for
 
 SOURCE = Path(__file__).with_name("retrieval.cu")
 OPTIONS = ("-std=c++17",)
@@ -226,9 +226,7 @@ def scores_blocks(q_codes, k_codes, n: int, bounds, out=None):
     """
     cp = _cupy()
     q, k = _codes(q_codes, "q_codes"), _codes(k_codes, "k_codes")
-    b = [int(x) for x in bounds]
-    if q.ndim != 3 or len(b) != q.shape[0] + 1 or any(y < x for x, y in zip(b, b[1:])) or (b and (b[0] < 0 or b[-1] > n)):
-        raise ValueError(f"q_codes must be (R, H, W) with R + 1 bounds ascending within [0, {n}], got {q.shape}, {b}")
+    b = check_blocks(q, bounds, n).tolist()  # host ints
     hkv = k.shape[0]
     dest = _result(out, (hkv, n), np.int32)
     dest[...] = 0

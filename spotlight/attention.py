@@ -338,6 +338,7 @@ class CodeSelector:
         self._query_coders = {}  # layer -> kernels.MlpCoder over views of the query encoder's weights
         self._key_coders = {}  # layer -> the same for the key encoder
         self._far_buffer = None  # (Hkv * Ncap,) int32: select_far's scores
+        self._far_q_codes = None  # (R, H, W) uint64: a decode step's turned-back query codes
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         mlp = self.encoders.key
@@ -419,8 +420,10 @@ class CodeSelector:
         R, S = turned.shape[0], turned.shape[2]
         mlp = self.encoders.query
         if S == 1 and _fused(q, mlp):
-            codes = np.empty((R, H, self.code_words), np.uint64)  # (R, H, W)
-            return _coder(mlp, layer, self._query_coders).many(np.ascontiguousarray(turned[:, :, 0].numpy()), codes)
+            if self._far_q_codes is None or self._far_q_codes.shape != (R, H, self.code_words):
+                self._far_q_codes = np.empty((R, H, self.code_words), np.uint64)  # (R, H, W), reused while R holds
+            return _coder(mlp, layer, self._query_coders).many(np.ascontiguousarray(turned[:, :, 0].numpy()),
+                                                               self._far_q_codes)
         h = self.encoders.query_bits(layer, turned.permute(1, 0, 2, 3).reshape(H, R * S, D)).detach().float()
         majority = (h.view(H, R, S, -1) > 0).float().mean(2) - 0.5  # (H, R, C): > 0 where most set the bit
         majority = majority.transpose(0, 1).contiguous()  # (R, H, C)
