@@ -269,3 +269,9 @@ def test_a_fact_at_10_percent_of_a_20k_token_document_comes_back_through_spotlig
         assert "7481" in turns[-1].text, turns[-1].text
     finally:
         service.close()
+
+
+def test_a_negative_fold_is_refused_with_what_zero_means():
+    with pytest.raises(ValueError) as refused:
+        SpotlightConfig(far_fold=-1)
+    assert str(refused.value) == "far_fold must be >= 0 (0: score far tokens at their true distances), got -1"

@@ -48,3 +48,15 @@ def test_a_run_of_fewer_methods_tabulates_only_those_beside_the_reference():
     detail = [r for r in rows if "depth" in r]
     assert len(detail) == len(NEEDLES) and set(detail[0]) == {
         "part", "length", "depth", "answer", "spotlight", "dense in window", "spotlight's reply"}
+
+
+def test_an_unknown_method_is_refused_before_any_model_loads(capsys):
+    import pytest
+
+    from bench.longctx import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--methods", "spotlight,oracle"])
+    assert stopped.value.code == 2
+    assert ("--methods takes spotlight (always) and any of sinks+window, truncated; got 'spotlight,oracle'"
+            in capsys.readouterr().err)
