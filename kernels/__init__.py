@@ -37,7 +37,8 @@ from .encode import MlpCoder, mlp_codes
 from .ranges import bit_counts, pick_ranges, span_scores
 
 __all__ = [
-    "pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "make_scratch", "gather",
+    "pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "score_select_blocks", "make_scratch",
+    "gather",
     "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
     "set_threads", "attend", "gather_attend", "make_attend_scratch", "mlp_codes", "MlpCoder",
     "bit_counts", "span_scores", "pick_ranges", "ranges_score_select",
@@ -79,7 +80,7 @@ def use_backend(name: str):
 
 @functools.cache
 def _numpy_backend():
-    names = ("pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "gather")
+    names = ("pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "score_select_blocks", "gather")
     funcs = {name: functools.partial(getattr(cpu, name), jit=False) for name in names}
     funcs.update({name: functools.partial(getattr(_attend, name), jit=False) for name in ("attend", "gather_attend")})
     funcs["ranges_score_select"] = functools.partial(_ranges.ranges_score_select, jit=False)
@@ -89,7 +90,8 @@ def _numpy_backend():
 @functools.cache
 def _cpu_backend():
     """kernels/cpu.py plus the CPU attention kernels, as one namespace."""
-    names = ("pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "gather", "make_scratch")
+    names = ("pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "score_select_blocks", "gather",
+             "make_scratch")
     funcs = {name: getattr(cpu, name) for name in names}
     funcs.update({name: getattr(_attend, name) for name in ("attend", "gather_attend", "make_attend_scratch")})
     funcs["ranges_score_select"] = _ranges.ranges_score_select
@@ -154,6 +156,16 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
     scratch: make_scratch(q_codes, k_codes), allocated once and reused, so a step allocates nothing.
     """
     return _pick(k_codes).score_select(q_codes, k_codes, n, k, sinks, window, out=out, scratch=scratch)
+
+
+def score_select_blocks(q_codes, k_codes, n: int, bounds, k: int, sinks: int, window: int, out=None, scratch=None):
+    """select(scores_blocks(q_codes, k_codes, n, bounds), k, sinks, window), fused on the CPU; identical
+    results. The blocks must cover the middle [sinks_end, window_start) of the selection layout.
+
+    scratch: make_scratch(q_codes[0], k_codes), allocated once and reused.
+    """
+    return _pick(k_codes).score_select_blocks(q_codes, k_codes, n, bounds, k, sinks, window, out=out,
+                                              scratch=scratch)
 
 
 def make_scratch(q_codes, k_codes):

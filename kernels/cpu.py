@@ -272,10 +272,11 @@ if HAVE_NUMBA:
         return bound, above
 
     @njit(cache=True)
-    def _scan_codes(qh, kf, capacity, lo, hi, r, start_bound, tile, flags, hist, cand_index, cand_score, g_tag,
-                    w_tag):
+    def _scan_codes(qhs, starts, kf, capacity, lo, hi, r, start_bound, tile, flags, hist, cand_index, cand_score,
+                    g_tag, w_tag):
         """Candidates of tokens [lo, hi) of one head scoring above start_bound (-1: all), scored from
-        codes, in index order; returns how many.
+        codes, in index order; returns how many. Token t is scored with the complemented query words
+        qhs[j] (R, G * W) of its block, starts[j] <= t < starts[j + 1] (the flat scan: one block).
 
         NOTE: a token is dropped only when at least r earlier tokens of the range score >= it (it
         then ranks below r tokens in (score desc, index asc) order and cannot be selected), or when
@@ -285,9 +286,12 @@ if HAVE_NUMBA:
         """
         hist[:] = 0
         bound, above, kept, t0 = start_bound, 0, 0, lo  # above = candidates scoring >= bound + 1
+        j = 0
         while t0 < hi:
-            count = _tile_size(t0 - lo, hi - t0, r)
-            _tile_scores(qh, kf, capacity, t0, count, bound, tile, flags, g_tag, w_tag)
+            while starts[j + 1] <= t0:
+                j += 1
+            count = min(_tile_size(t0 - lo, hi - t0, r), starts[j + 1] - t0)  # no tile straddles two blocks
+            _tile_scores(qhs[j], kf, capacity, t0, count, bound, tile, flags, g_tag, w_tag)
             start = kept
             kept = _collect(tile, flags, count, t0, cand_index, cand_score, kept)
             bound, above = _raise_bound(hist, cand_score, start, kept, bound, above, r)
@@ -295,25 +299,32 @@ if HAVE_NUMBA:
         return kept
 
     @njit(cache=True)
-    def _sample_bound(qh, kf, capacity, sinks_end, m, r, tile, flags, hist, g_tag, w_tag):
+    def _sample_bound(qhs, starts, kf, capacity, sinks_end, m, r, runs, tile, flags, hist, g_tag, w_tag):
         """A starting bound for the scan of one head's middle [sinks_end, sinks_end + m): the score
-        above which SAMPLE_RUNS evenly spread runs of SAMPLE_RUN tokens hold 1.5x their share of
-        r (+ 16), minus 1; -1 (keep everything) when that share is most of the sample. Called only
-        for a middle of at least SAMPLE_FROM tokens and at least SAMPLE_K selected (`score_select`).
+        above which `runs` evenly spread runs of the SAMPLE_RUNS * SAMPLE_RUN sampled tokens hold
+        1.5x their share of r (+ 16), minus 1; -1 (keep everything) when that share is most of the
+        sample. Called only for a middle of at least SAMPLE_FROM tokens and at least SAMPLE_K
+        selected (`score_select`). The flat scan samples SAMPLE_RUNS runs; a folded one (R blocks,
+        whose scores differ block to block) at least two runs per block (`_sample_runs`).
 
         Only a speed-up: with r = 10 % of the middle the running bound alone keeps ~3.3 r
         candidates, this one ~1.7 r. Whether >= r tokens really score above it is checked after
-        the scan (`_short_heads`), and a head short of them is scanned again from -1.
+        the scan (`_short_heads`), and a head short of them is scanned again from -1. A run is
+        scored with the query words of the block it starts in (an estimate either way).
         """
-        total = SAMPLE_RUNS * SAMPLE_RUN
+        run = SAMPLE_RUNS * SAMPLE_RUN // runs
+        total = runs * run
         want = (3 * total * r) // (2 * m) + 16
         if want >= total:
             return -1
         hist[:] = 0
-        for i in range(SAMPLE_RUNS):
-            t0 = sinks_end + i * (m - SAMPLE_RUN) // (SAMPLE_RUNS - 1)
-            _tile_scores(qh, kf, capacity, t0, SAMPLE_RUN, -1, tile, flags, g_tag, w_tag)
-            for j in range(SAMPLE_RUN):
+        block = 0
+        for i in range(runs):
+            t0 = sinks_end + i * (m - run) // (runs - 1)
+            while starts[block + 1] <= t0:
+                block += 1
+            _tile_scores(qhs[block], kf, capacity, t0, run, -1, tile, flags, g_tag, w_tag)
+            for j in range(run):
                 hist[tile[j]] += 1
         seen = 0
         for v in range(hist.size - 1, -1, -1):
@@ -410,18 +421,19 @@ if HAVE_NUMBA:
                 taken_ties += tie
 
     @njit(cache=True)
-    def _sample_bounds(q, k, layout, tile, flags, hist, bounds, g_tag, w_tag):
-        """bounds[h] = _sample_bound of each head (one thread: a few microseconds)."""
+    def _sample_bounds(qn, starts, k, layout, runs, tile, flags, hist, bounds, g_tag, w_tag):
+        """bounds[h] = _sample_bound of each head (one thread: a few microseconds); qn (Hkv, R, G * W)."""
         hkv, _, capacity = k.shape
         n, sinks_end, window_start, r = layout
         for h in range(hkv):
-            qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
-            bounds[h] = _sample_bound(qh, k[h].ravel(), capacity, sinks_end, window_start - sinks_end, r, tile,
-                                      flags, hist, g_tag, w_tag)
+            bounds[h] = _sample_bound(qn[h], starts, k[h].ravel(), capacity, sinks_end, window_start - sinks_end,
+                                      r, runs, tile, flags, hist, g_tag, w_tag)
 
     @njit(parallel=True, cache=True)
-    def _scan_jit(q, k, layout, chunks, tile, flags, hist, cand_index, cand_score, counts, bounds, g_tag, w_tag):
-        """The candidates of every piece of the heads with bounds[h] >= -1, from that bound."""
+    def _scan_jit(qn, starts, k, layout, chunks, tile, flags, hist, cand_index, cand_score, counts, bounds, g_tag,
+                  w_tag):
+        """The candidates of every piece of the heads with bounds[h] >= -1, from that bound; qn
+        (Hkv, R, G * W) the complemented query words of each block of starts (R + 1,)."""
         hkv, _, capacity = k.shape
         n, sinks_end, window_start, r = layout
         m = window_start - sinks_end
@@ -429,10 +441,9 @@ if HAVE_NUMBA:
             for h in range(hkv):
                 lo, hi = _piece(c, h, chunks, hkv, m)
                 if lo < hi and bounds[h] >= -1:
-                    qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
-                    counts[c + h] = _scan_codes(qh, k[h].ravel(), capacity, sinks_end + lo, sinks_end + hi, r,
-                                                bounds[h], tile[c], flags[c], hist[c + h], cand_index[h, lo:],
-                                                cand_score[h, lo:], g_tag, w_tag)
+                    counts[c + h] = _scan_codes(qn[h], starts, k[h].ravel(), capacity, sinks_end + lo,
+                                                sinks_end + hi, r, bounds[h], tile[c], flags[c], hist[c + h],
+                                                cand_index[h, lo:], cand_score[h, lo:], g_tag, w_tag)
 
     @njit(parallel=True, cache=True)
     def _finish_jit(layout, chunks, hist, cand_index, cand_score, counts, out):
@@ -610,6 +621,14 @@ def check_blocks(q: np.ndarray, bounds, n: int) -> np.ndarray:
     return b
 
 
+def check_cover(q: np.ndarray, bounds, layout: Layout) -> np.ndarray:
+    """check_blocks, and the blocks cover the layout's middle [sinks_end, window_start) (score_select_blocks)."""
+    b = check_blocks(q, bounds, layout.n)
+    if len(q) == 0 or b[0] > layout.sinks_end or b[-1] < layout.window_start:
+        raise ValueError(f"bounds {b.tolist()} must cover the middle [{layout.sinks_end}, {layout.window_start})")
+    return b
+
+
 def scores_blocks(q_codes, k_codes, n: int, bounds, out=None, *, jit: bool = True) -> np.ndarray:
     """int32 (Hkv, n): token t in block r (bounds[r] <= t < bounds[r + 1]) scored as `scores` does with
     the query codes q_codes[r] (R, H, W); 0 outside [bounds[0], bounds[-1]). One thread."""
@@ -677,14 +696,50 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
         return dest
     if not (jit and HAVE_NUMBA):
         return select(scores(q, kc, n, jit=False), k, sinks, window, out=dest, jit=False)
-    buf, chunks = scratch if scratch is not None else make_scratch(q, kc), _numba_threads()
-    if not buf.fits(hkv, group * words * WORD_BITS + 1, n, chunks):
+    _fused_select(q[None], np.array([0, n], np.int64), kc, layout, group, words, dest, scratch)
+    return dest
+
+
+def score_select_blocks(q_codes, k_codes, n: int, bounds, k: int, sinks: int, window: int, out=None,
+                        scratch=None, *, jit: bool = True) -> np.ndarray:
+    """`select(scores_blocks(q_codes, k_codes, n, bounds), k, sinks, window)`, fused; identical results.
+
+    q_codes (R, H, W): block r's query codes; bounds (R + 1,) ascending and covering the middle
+    [sinks_end, window_start) of the selection layout. scratch: `make_scratch(q_codes[0], k_codes)`.
+    """
+    q, kc = as_codes(q_codes, "q_codes"), as_codes(k_codes, "k_codes")
+    layout = selection_layout(n, k, sinks, window)
+    b = check_cover(q, bounds, layout)
+    hkv, group, words = check_codes(q[0], kc, n)
+    dest = result(out, (hkv, layout.size), np.int32)
+    if layout.retrieved in (0, layout.middle):
+        _fill_all(dest, layout)
+        return dest
+    if not (jit and HAVE_NUMBA):
+        return select(scores_blocks(q, kc, n, b, jit=False), k, sinks, window, out=dest, jit=False)
+    _fused_select(q, b, kc, layout, group, words, dest, scratch)
+    return dest
+
+
+def _sample_runs(blocks: int) -> int:
+    """Sample runs for R query blocks: SAMPLE_RUNS for the flat scan, else two per block, each at
+    least 32 tokens (the runs share SAMPLE_RUNS * SAMPLE_RUN tokens)."""
+    return SAMPLE_RUNS if blocks == 1 else min(max(SAMPLE_RUNS, 2 * blocks), SAMPLE_RUNS * SAMPLE_RUN // 32)
+
+
+def _fused_select(q, starts, kc, layout, group: int, words: int, dest, scratch) -> None:
+    """The fused scan of score_select(_blocks): q (R, H, W) over the blocks of starts (R + 1,)."""
+    hkv = kc.shape[0]
+    buf, chunks = scratch if scratch is not None else make_scratch(q[0], kc), _numba_threads()
+    if not buf.fits(hkv, group * words * WORD_BITS + 1, layout.n, chunks):
         raise ValueError("scratch was made for other q_codes / k_codes shapes: call make_scratch again")
+    qn = np.ascontiguousarray((~q).reshape(len(q), hkv, group * words).transpose(1, 0, 2))  # (Hkv, R, G * W)
     g_tag, w_tag = tags(group, words)
-    scan = (q, kc, layout, chunks, buf.tile, buf.flags, buf.hist, buf.cand_index, buf.cand_score, buf.counts,
-            buf.bounds, g_tag, w_tag)
+    scan = (qn, starts, kc, layout, chunks, buf.tile, buf.flags, buf.hist, buf.cand_index, buf.cand_score,
+            buf.counts, buf.bounds, g_tag, w_tag)
     if layout.middle >= SAMPLE_FROM and layout.retrieved >= SAMPLE_K:  # below, the sample costs more than it saves
-        _sample_bounds(q, kc, layout, buf.tile[0], buf.flags[0], buf.hist[0], buf.bounds, g_tag, w_tag)
+        _sample_bounds(qn, starts, kc, layout, _sample_runs(len(q)), buf.tile[0], buf.flags[0], buf.hist[0],
+                       buf.bounds, g_tag, w_tag)
     else:
         buf.bounds[:] = -1  # every head's scan starts from the bottom
     _scan_jit(*scan)
@@ -692,7 +747,6 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
         _scan_jit(*scan)  # those heads again from -1
     _finish_jit(layout, chunks, buf.hist, buf.cand_index, buf.cand_score, buf.counts, dest)
     _fill_forced(dest, *layout)
-    return dest
 
 
 def gather(kv, idx, out=None, *, jit: bool = True):

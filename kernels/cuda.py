@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import CudaUnavailable
-from .cpu import INF_BITS, WORD_BITS, check_blocks, selection_layout, words_for
+from .cpu import INF_BITS, WORD_BITS, check_blocks, check_cover, selection_layout, words_for
 
 SOURCE = Path(__file__).with_name("retrieval.cu")
 OPTIONS = ("-std=c++17",)
@@ -237,6 +237,14 @@ def scores_blocks(q_codes, k_codes, n: int, bounds, out=None):
             scores(q[r], k, hi, out=whole)
             dest[:, lo:hi] = whole[:, lo:hi]
     return dest
+
+
+def score_select_blocks(q_codes, k_codes, n: int, bounds, k: int, sinks: int, window: int, out=None, scratch=None):
+    """As kernels/cpu.py `score_select_blocks`. NOTE: scores_blocks, then select (one host sync);
+    a fused block-aware kernel is to come."""
+    q = _codes(q_codes, "q_codes")
+    check_cover(q, bounds, selection_layout(n, k, sinks, window))  # shapes only: no copy
+    return select(scores_blocks(q, k_codes, n, bounds), k, sinks, window, out=out, scratch=scratch)
 
 
 def _launch_scores(q, k, n, dest, stride, group, words, hist, bins, lo, hi) -> None:

@@ -337,8 +337,8 @@ class CodeSelector:
         self._k_codes = None  # (Hkv, W) uint64: a decode step's key codes
         self._query_coders = {}  # layer -> kernels.MlpCoder over views of the query encoder's weights
         self._key_coders = {}  # layer -> the same for the key encoder
-        self._far_buffer = None  # (Hkv * Ncap,) int32: select_far's scores
         self._far_q_codes = None  # (R, H, W) uint64: a decode step's turned-back query codes
+        self._far_table = None  # (key, (cos, sin)) of _far_turn
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         mlp = self.encoders.key
@@ -404,19 +404,29 @@ class CodeSelector:
         lo, hi = layout.sinks_end, layout.window_start
         blocks = max(1, -(-(hi - lo) // fold))
         bounds = [lo] + [hi - j * fold for j in range(blocks - 1, 0, -1)] + [hi]  # ascending
-        back = torch.arange(blocks - 1, -1, -1, dtype=torch.int64) * fold  # (R,): block r turned back
-        q_codes = self._far_codes(layer, q, back, rotations)  # (R, H, W)
+        q_codes = self._far_codes(layer, q, self._far_turn(blocks, fold, rotations, q.device))  # (R, H, W)
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes[0], k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
-        scores = kernels.scores_blocks(q_codes, k_codes, n, bounds, out=self._far_scores(k_codes, n))  # (Hkv, n)
-        return kernels.select(scores, retrieved, sinks, window, out=out, scratch=self._scratch)
+        return kernels.score_select_blocks(q_codes, k_codes, n, bounds, retrieved, sinks, window, out=out,
+                                           scratch=self._scratch)
 
-    def _far_codes(self, layer, q, back: torch.Tensor, rotations: Rotations):
-        """Packed codes (R, H, W) of q (H, T, D) turned back by `back` (R,) positions: one query's
-        codes for a decode step, the majority code of up to `_FAR_QUERIES` spread queries for a chunk."""
+    def _far_turn(self, blocks: int, fold: int, rotations: Rotations, device):
+        """cos, sin (R, 1, 1, D) turning queries back by (R - 1 - r) * fold for block r; made when the
+        blocks or the fold change (every `fold` tokens), not each step."""
+        key = (blocks, fold, id(rotations), str(device))
+        if self._far_table is None or self._far_table[0] != key:
+            back = torch.arange(blocks - 1, -1, -1, dtype=torch.int64).to(device) * fold  # (R,): block r turned back
+            self._far_table = (key, rotations.cos_sin(back.view(-1, 1, 1), (blocks - 1) * fold))
+        return self._far_table[1]
+
+    def _far_codes(self, layer, q, turn):
+        """Packed codes (R, H, W) of q (H, T, D) turned back by `turn` (_far_turn's cos, sin): one
+        query's codes for a decode step, the majority code of up to `_FAR_QUERIES` spread queries for a chunk."""
         H, T, D = q.shape
-        pick = torch.linspace(0, T - 1, min(T, _FAR_QUERIES)).round().to(torch.int64).to(q.device)  # (S,) the last included
-        turned = rotations.rotate_back(q[None, :, pick], back.view(-1, 1, 1).to(q.device), int(back[0]))  # (R, H, S, D)
+        if T > 1:
+            pick = torch.linspace(0, T - 1, min(T, _FAR_QUERIES)).round().to(torch.int64).to(q.device)  # (S,) the last included
+            q = q[:, pick]  # (H, S, D)
+        turned = Rotations.turn_back(q[None], *turn)  # (R, H, S, D)
         R, S = turned.shape[0], turned.shape[2]
         mlp = self.encoders.query
         if S == 1 and _fused(q, mlp):
@@ -430,14 +440,6 @@ class CodeSelector:
         if not majority.is_cuda:
             return kernels.pack(majority.numpy())  # (R, H, W)
         return kernels.pack(majority, out=torch.empty((R, H, self.code_words), dtype=torch.int64, device=q.device))
-
-    def _far_scores(self, k_codes, n: int):
-        """A C-contiguous int32 (Hkv, n) view of a buffer of the code buffer's capacity, made once."""
-        hkv, capacity = k_codes.shape[0], k_codes.shape[2]
-        if self._far_buffer is None or self._far_buffer.shape[0] != hkv * capacity:
-            self._far_buffer = (np.empty(hkv * capacity, np.int32) if isinstance(k_codes, np.ndarray)
-                                else torch.empty(hkv * capacity, dtype=torch.int32, device=k_codes.device))
-        return self._far_buffer[: hkv * n].reshape(hkv, n)
 
     def _scan(self, layer, q_codes, cache, n, retrieved, sinks, window):
         """The flat scan for query codes (H, W) over the first n key codes of `layer`."""

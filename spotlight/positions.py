@@ -87,5 +87,9 @@ class Rotations:
     def rotate_back(self, x: torch.Tensor, deltas: torch.Tensor, largest: int) -> torch.Tensor:
         """Post-RoPE rows x (..., D) moved back by `deltas` (..., broadcast to x's rows) in [0, largest]
         positions: the inverse rotation, cos - sin (`shift` by -deltas)."""
-        cos, sin = self.cos_sin(deltas, largest)  # (..., D)
+        return self.turn_back(x, *self.cos_sin(deltas, largest))
+
+    @staticmethod
+    def turn_back(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """rotate_back with its cos, sin (cos_sin of the deltas) made once for many rows."""
         return (x.float() * cos - rotate_half(x.float()) * sin).to(x.dtype)

@@ -277,6 +277,53 @@ def test_score_select_from_a_sampled_bound_equals_brute_force(backend, distinct,
         kernels.set_threads(before)
 
 
+def blocks_of(layout, blocks: int) -> list[int]:
+    """R + 1 ascending bounds cutting the middle of `layout` into `blocks` (an empty one among them)."""
+    lo, hi = layout.sinks_end, layout.window_start
+    cuts = [lo + (hi - lo) * i // (blocks - 1) for i in range(blocks - 1)]
+    return [lo] + cuts[1:] + [cuts[-1], hi]  # block R - 2 is empty
+
+
+def ref_scores_blocks(q: np.ndarray, k: np.ndarray, n: int, bounds) -> np.ndarray:
+    """Scores of token t by q[r] where bounds[r] <= t < bounds[r + 1], 0 elsewhere."""
+    s = np.zeros((k.shape[0], n), np.int64)
+    for r in range(len(q)):
+        s[:, bounds[r] : bounds[r + 1]] = ref_scores(q[r], k, n)[:, bounds[r] : bounds[r + 1]]
+    return s
+
+
+@pytest.mark.parametrize("n, budget", [(300, 40), (cpu.SAMPLE_FROM + 3001, cpu.SAMPLE_K), (cpu.SAMPLE_FROM + 3001, 9000)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_score_select_blocks_equals_brute_force_over_the_block_scores(backend, n, budget, threads):
+    """The fused folded scan (select_far's): each block's tokens scored with its own query codes,
+    from a sampled bound on long middles (two sample runs per block); the selection is the
+    brute-force one over those scores."""
+    import numba
+
+    rng = np.random.default_rng(n + budget + threads)
+    _, k = random_codes(rng, 2, 3, 2, n + 5)
+    layout = kernels.selection_layout(n, budget, SINKS, 256)
+    q = rng.integers(0, 2**64, size=(6, 6, 2), dtype=np.uint64)  # (R, H, W)
+    bounds = blocks_of(layout, len(q))
+    before = cpu.threads()
+    try:
+        kernels.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS) if cpu.HAVE_NUMBA else 1)
+        scratch = kernels.make_scratch(backend.put(q[0]), backend.put(k))
+        got = backend.get(kernels.score_select_blocks(backend.put(q), backend.put(k), n, bounds, budget, SINKS, 256,
+                                                      scratch=scratch))
+    finally:
+        kernels.set_threads(before)
+    np.testing.assert_array_equal(got, ref_select_fast(ref_scores_blocks(q, k, n, bounds), budget, SINKS, 256))
+
+
+def test_score_select_blocks_refuses_blocks_that_leave_part_of_the_middle_out():
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 2**64, size=(2, 2, 1), dtype=np.uint64)
+    _, k = random_codes(rng, 1, 2, 1, 100)
+    with pytest.raises(ValueError, match=r"bounds \[4, 50, 90\] must cover the middle \[4, 92\)"):
+        kernels.score_select_blocks(q, k, 100, [4, 50, 90], 10, 4, 8)
+
+
 def test_score_select_scans_again_a_head_its_sample_overrates(backend):
     """Adversarial codes: every sampled run matches the queries exactly, every other token does
     not, and more tokens are selected than the runs hold. The sampled bound then keeps too few
@@ -581,17 +628,34 @@ def test_mlp_coder_refuses_wrong_shapes_and_dtypes_with_what_it_needs(change, me
         kernels.MlpCoder(*weights, 2)(x, np.empty((9, 2), np.uint64))
 
 
-def test_mlp_coder_codes_many_inputs_per_row_as_one_call_each_does():
-    """`many` (B inputs through each row's MLP, select_far's turned-back queries) gives the same
-    bits as B calls, and refuses an x whose rows do not match the coder's."""
+def _mlp_fp64(x, w1, b1, w2, w_out, depth):
+    """h (..., R, C) of the encoder MLP in float64, rows of x (..., R, D) through MLP r."""
+    y = x.astype(np.float64)
+    for block in range(depth):
+        z = np.einsum("...rd,rdf->...rf", y, w1[:, block]) + b1[:, block, 0]
+        y = y + np.einsum("...rf,rfd->...rd", z / (1 + np.exp(-z)), w2[:, block])
+    return np.einsum("...rd,rdc->...rc", y, w_out)
+
+
+def test_mlp_coder_codes_many_inputs_per_row_as_fp64_and_one_call_each_do():
+    """`many` (B inputs through each row's MLP, select_far's turned-back queries, as BLAS products)
+    sets every bit the fp64 MLP sets, but for bits within float rounding of 0; so does each one-row
+    call. It refuses an x whose rows do not match the coder's."""
     rng = np.random.default_rng(6)
     _, weights = mlp_inputs(rng)
     coder = kernels.MlpCoder(*weights, 2)
-    xs = rng.standard_normal((5, 9, 64)).astype(np.float32)  # (B, R, D)
-    got = coder.many(xs, np.empty((5, 9, 2), np.uint64))
-    np.testing.assert_array_equal(got, np.stack([coder(x, np.empty((9, 2), np.uint64)).copy() for x in xs]))
+    xs = rng.standard_normal((33, 9, 64)).astype(np.float32)  # (B, R, D)
+    got = coder.many(xs, np.empty((33, 9, 2), np.uint64))
+    one = np.stack([coder(x, np.empty((9, 2), np.uint64)).copy() for x in xs])  # (B, R, W)
+    h = _mlp_fp64(xs, *weights, 2)  # (B, R, C)
+    clear = np.abs(h) > 1e-4 * np.abs(h).max()  # bits not within rounding of 0
+    bits = lambda codes: np.unpackbits(codes.view(np.uint8), axis=-1, bitorder="little")[..., : h.shape[-1]]
+    expected = (h > 0).astype(np.uint8)
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(bits(got)[clear], expected[clear])
+    np.testing.assert_array_equal(bits(one)[clear], expected[clear])
     with pytest.raises(ValueError, match=r"x must be C-contiguous float32 \(B, 9, 64\)"):
-        coder.many(xs[:, :4].copy(), np.empty((5, 4, 2), np.uint64))
+        coder.many(xs[:, :4].copy(), np.empty((33, 4, 2), np.uint64))
 
 
 def test_mlp_coder_refuses_more_blocks_than_stacked():
