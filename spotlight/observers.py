@@ -126,7 +126,7 @@ def _selected_probabilities(q: torch.Tensor, keys: torch.Tensor, rows: torch.Ten
     over the H query heads (so it sums to 1): what the layer attended to, as it weighed it."""
     H, D = q.shape[0], q.shape[-1]
     Hkv = keys.shape[0]
-    read = torch.gather(keys.float(), 1, rows.unsqueeze(-1).expand(-1, -1, D))  # (Hkv, K, D)
+    read = torch.gather(keys, 1, rows.unsqueeze(-1).expand(-1, -1, D)).float()  # (Hkv, K, D): only the rows read widen
     query = q[:, 0].float().reshape(Hkv, H // Hkv, D)  # (Hkv, G, D)
     scores = torch.einsum("hgd,hkd->hgk", query, read) / math.sqrt(D)  # (Hkv, G, K)
     return (scores.softmax(-1).sum(1) / H).double().cpu().numpy()  # (Hkv, K)
