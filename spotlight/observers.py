@@ -19,7 +19,8 @@ Two observers ship here:
 * `AttentionTally(limit)`: the attention mass each cached position < limit received, summed
   over steps, in the layers `tally_layers` picks: dense layers and dense steps add the exact
   softmax probabilities of the step's queries (averaged over the H heads), sparse layers the
-  softmax over the positions they selected (each KV head's K rows, weighed by its query group),
+  softmax over the positions they selected (each KV head's K rows, weighed by its query group;
+  past the model's window with the keys re-positioned as the layer read them, spotlight/beyond.py),
   so a passage counts as much as the layer attended to it, not merely whether it was read (a
   uniform 1 / (Hkv x K) per selected position made Spotlight's sources follow the local window
   and the retrieval's spread: bench.docqa's top source held the answer in 0 of 10 replies at
@@ -34,6 +35,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
+
+from .beyond import remapped_rows
+from .model import rope_inv_freq
+from .positions import Rotations
 
 __all__ = ["AttentionTally", "ReadMeter", "ReadStep", "StepObserver", "tally_layers"]
 
@@ -98,6 +103,7 @@ class AttentionTally:
         self.mass = np.zeros(limit, dtype=np.float64)  # (limit,)
         self.steps = 0
         self._layers: frozenset[int] | None = None  # tally_layers of the cache's model, at the first step
+        self._rotations: Rotations | None = None  # past the window: the keys as the layer read them
 
     def on_layer(self, layer: int, q: torch.Tensor, cache, selected) -> None:
         if self._layers is None:
@@ -111,7 +117,7 @@ class AttentionTally:
             self.mass[:limit] += share * _probabilities(layer, q, cache)[:limit]
             return
         rows = torch.as_tensor(selected, device=q.device).long()  # (Hkv, K)
-        probs = _selected_probabilities(q, cache.keys(layer, 1), rows)  # (Hkv, K)
+        probs = _selected_probabilities(q, self._read_keys(layer, cache, rows, n))  # (Hkv, K)
         idx, weight = rows.cpu().numpy().reshape(-1), probs.reshape(-1)
         keep = idx < limit
         np.add.at(self.mass, idx[keep], share * weight[keep])
@@ -119,14 +125,23 @@ class AttentionTally:
     def on_step(self, n_tokens: int) -> None:
         self.steps += 1
 
+    def _read_keys(self, layer: int, cache, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """fp32 (Hkv, K, D): the selected keys as the layer read them; past the model's window the
+        selection is re-positioned (spotlight/beyond.py), so its keys are rotated the same way."""
+        if n <= cache.args.max_seq_len:
+            D = cache.k.shape[-1]
+            return torch.gather(cache.keys(layer, 1), 1, rows.unsqueeze(-1).expand(-1, -1, D)).float()  # (Hkv, K, D)
+        if self._rotations is None:
+            self._rotations = Rotations(rope_inv_freq(cache.args))
+        return remapped_rows(cache.k[layer], cache.v[layer], rows, n, self._rotations, dtype=torch.float32)[0]
 
-def _selected_probabilities(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> np.ndarray:
-    """Softmax attention (Hkv, K) float64 of q (H, 1, D) over the keys a sparse layer read,
-    rows (Hkv, K) of keys (Hkv, N, D), one row per KV head shared by its query group, averaged
-    over the H query heads (so it sums to 1): what the layer attended to, as it weighed it."""
+
+def _selected_probabilities(q: torch.Tensor, read: torch.Tensor) -> np.ndarray:
+    """Softmax attention (Hkv, K) float64 of q (H, 1, D) over `read` (Hkv, K, D), the keys a sparse
+    layer read (one row per KV head, shared by its query group), averaged over the H query heads
+    (so it sums to 1): what the layer attended to, as it weighed it."""
     H, D = q.shape[0], q.shape[-1]
-    Hkv = keys.shape[0]
-    read = torch.gather(keys, 1, rows.unsqueeze(-1).expand(-1, -1, D)).float()  # (Hkv, K, D): only the rows read widen
+    Hkv = read.shape[0]
     query = q[:, 0].float().reshape(Hkv, H // Hkv, D)  # (Hkv, G, D)
     scores = torch.einsum("hgd,hkd->hgk", query, read) / math.sqrt(D)  # (Hkv, G, K)
     return (scores.softmax(-1).sum(1) / H).double().cpu().numpy()  # (Hkv, K)

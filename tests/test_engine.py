@@ -264,6 +264,35 @@ def test_attention_tally_of_sparse_steps_weighs_selected_positions_by_their_atte
     assert (tally.mass[unselected] == 0).all()
 
 
+def test_attention_tally_past_the_window_weighs_the_keys_as_re_positioned():
+    """Past the model's window a sparse layer reads its selection re-positioned (column j at
+    n - K + j, spotlight/beyond.py): the tally weighs each selected position by the softmax over
+    those rotated keys (here in float64 from RoPE's angles), not over the keys at their true
+    distances, which the layer never saw."""
+    from spotlight.model import rope_inv_freq
+    from spotlight.positions import rotate_half
+
+    engine = tiny_engine(spotlight=True, max_seq_len=128)
+    tally, seen = AttentionTally(limit=1000), Selections(layer=1)
+    decode_with(engine, 150, 3, tally, seen)
+    inv_freq = rope_inv_freq(engine.args).double()  # (D / 2,)
+    expected, true_distances = np.zeros(1000), np.zeros(1000)
+    for (n, selected), (q, keys) in zip(seen.seen, seen.reads):
+        assert n > engine.native_window and selected is not None
+        (H, _, D), (Hkv, K) = q.shape, selected.shape
+        for h in range(Hkv):
+            group = q[h * H // Hkv : (h + 1) * H // Hkv, 0].double()  # (G, D)
+            k = keys[h, selected[h]].double()  # (K, D) at their true positions
+            angle = torch.from_numpy(np.arange(n - K, n) - selected[h]).double()[:, None] * inv_freq  # (K, D / 2)
+            cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)  # (K, D)
+            moved = k * cos + rotate_half(k) * sin  # (K, D): each key forward by its delta
+            for rows, out in ((moved, expected), (k, true_distances)):
+                np.add.at(out, selected[h], ((group @ rows.T / D ** 0.5).softmax(-1).sum(0) / H).numpy())
+    np.testing.assert_allclose(tally.mass, expected, rtol=1e-4, atol=1e-8)
+    assert np.abs(true_distances - expected).max() > 1e-3  # the two weighings differ here
+    assert tally.steps == 3 and tally.mass.sum() == pytest.approx(3.0)
+
+
 def test_observers_see_decode_steps_only_and_leave_the_policy_alone():
     engine = tiny_engine(spotlight=True)
     policy, meter = engine.policy, ReadMeter()
