@@ -148,7 +148,7 @@ class MlpCoder:
 
         NOTE: each MLP's B inputs are one small matrix product (numpy's BLAS; below its threading
         size, so one thread): 4x faster than B one-row calls through the fused kernel (whose
-        loops reach ~15 GFLOP/s), ~0.12 ms for 32 x 14 rows (select_far's turned-back queries).
+        loops reach ~15 GFLOP/s): ~0.2 ms for 32 x 14 rows (select_far's turned-back queries, measured).
         Its sums run in BLAS's order, hence the rounding caveat, as the module docstring says.
         """
         if x.ndim != 3 or x.shape[1:] != self.x_shape or x.dtype != np.float32 or not x.flags.c_contiguous:
