@@ -17,9 +17,11 @@ Semantics, written once (kernels/cuda.py and kernels/*.cu match them bit for bit
 
 Implementation, chosen by measurement (bench/retrieval.py; numbers in docs/RESULTS.md):
   * scoring is a numba loop specialised on constant G and W (`tags`), which LLVM unrolls and
-    vectorises over tokens (VPOPCNTQ with AVX-512, pshufb nibble counts with AVX2). It scores a
-    token's G * W word pairs faster than DRAM delivers its codes; numpy's `bitwise_count` makes
-    three passes per (g, w) and was 5-10x slower (the `numpy` rows); torch has no popcount.
+    vectorises over tokens (VPOPCNTQ with AVX-512, pshufb nibble counts with AVX2). From G = 5 query
+    heads per KV head the G query words are first counted into bit planes (`query_words`), so a key
+    word costs P + 1 popcounts (P = G.bit_length()) instead of G, for the same scores. numpy's
+    `bitwise_count` makes three passes per (g, w) and was 5-10x slower (the `numpy` rows); torch
+    has no popcount.
   * `score_select` never stores the score rows: one pass per (head, token run) keeps only the
     tokens that beat a running lower bound of the k-th best score (`_scan_codes`), about
     k (1 + ln(n / k)) of them, then a histogram threshold over those candidates gives the cut
@@ -215,19 +217,69 @@ if HAVE_NUMBA:
         """
         return (0,) * group, (0,) * words
 
+    @njit(inline="always")
+    def _plane_count(group):
+        """Bit planes of the query words for G query heads (`query_words`): 0 (the complemented
+        words, G popcounts a key word) below G = 5, where P + 1 popcounts would not be fewer."""
+        return 0 if group < 5 else (3 if group < 8 else (4 if group < 16 else (5 if group < 32 else 6)))
+
+    @njit(cache=True)
+    def _query_words_jit(q, hkv, out, g_tag, w_tag):
+        """out (Hkv, R, L) = `query_words` of q (R, H, W)."""
+        G, W = len(g_tag), len(w_tag)
+        P = _plane_count(G)
+        for r in range(q.shape[0]):
+            for h in range(hkv):
+                if P == 0:
+                    for g in range(G):
+                        for w in range(W):
+                            out[h, r, g * W + w] = ~q[r, h * G + g, w]
+                    continue
+                matches = np.int64(G * W * WORD_BITS)  # every bit matches G queries where the key's is 0 ...
+                for w in range(W):
+                    for p in range(P):
+                        out[h, r, p * W + w] = 0
+                    for g in range(G):  # ripple-carry add of the G query words into the planes
+                        carry = q[r, h * G + g, w]
+                        matches -= np.int64(popcount(carry))  # ... but those with the bit set
+                        for p in range(P):
+                            plane = out[h, r, p * W + w]
+                            out[h, r, p * W + w] = plane ^ carry
+                            carry = plane & carry
+                out[h, r, P * W] = np.uint64(matches)
+
     @njit(cache=True)
     def _tile_scores(qh, kf, capacity, t0, count, bound, tile, flags, g_tag, w_tag):
         """tile[i] = score of token t0 + i of one head, flags[i] = tile[i] > bound.
 
-        qh (G * W,) complemented query words, kf (W * N,) the head's code planes. With G and W
-        constant, LLVM unrolls the (w, g) loops and vectorises over tokens.
+        qh (L,) the head's `query_words`, kf (W * N,) the head's code planes. With G and W
+        constant, LLVM unrolls the (w, g) or (w, plane) loops and vectorises over tokens. The
+        plane form: where c_b of the G queries set bit b, a key matching bit b set scores c_b and
+        one with it clear G - c_b, so score = sum_b (G - c_b) + 2 sum_b k_b c_b - G popcount(k),
+        and sum_b k_b c_b = sum_p 2^p popcount(k & plane_p): P + 1 popcounts a word instead of G.
         """
-        for i in range(np.uint64(count)):  # unsigned index: no wraparound test, hence no gathers
-            s = np.uint64(0)
-            for w in range(len(w_tag)):
+        G, W = len(g_tag), len(w_tag)
+        P = _plane_count(G)
+        if P == 0:
+            for i in range(np.uint64(count)):  # unsigned index: no wraparound test, hence no gathers
+                s = np.uint64(0)
+                for w in range(W):
+                    x = kf[np.uint64(w * capacity + t0) + i]
+                    for g in range(G):
+                        s += popcount(qh[g * W + w] ^ x)
+                v = np.int32(s)
+                tile[i] = v
+                flags[i] = v > bound
+            return
+        base = np.int64(qh[P * W])
+        for i in range(np.uint64(count)):
+            s = base
+            for w in range(W):
                 x = kf[np.uint64(w * capacity + t0) + i]
-                for g in range(len(g_tag)):
-                    s += popcount(qh[g * len(w_tag) + w] ^ x)
+                t = np.int64(0)
+                for p in range(P):
+                    t += np.int64(popcount(qh[p * W + w] & x)) << np.int64(p + 1)
+                s += t - np.int64(G) * np.int64(popcount(x))
             v = np.int32(s)
             tile[i] = v
             flags[i] = v > bound
@@ -276,7 +328,7 @@ if HAVE_NUMBA:
                     g_tag, w_tag):
         """Candidates of tokens [lo, hi) of one head scoring above start_bound (-1: all), scored from
         codes, in index order; returns how many. Token t is scored with the complemented query words
-        qhs[j] (R, G * W) of its block, starts[j] <= t < starts[j + 1] (the flat scan: one block).
+        qhs[j] (R, L) of its block (`query_words`), starts[j] <= t < starts[j + 1] (the flat scan: one block).
 
         NOTE: a token is dropped only when at least r earlier tokens of the range score >= it (it
         then ranks below r tokens in (score desc, index asc) order and cannot be selected), or when
@@ -422,7 +474,7 @@ if HAVE_NUMBA:
 
     @njit(cache=True)
     def _sample_bounds(qn, starts, k, layout, runs, tile, flags, hist, bounds, g_tag, w_tag):
-        """bounds[h] = _sample_bound of each head (one thread: a few microseconds); qn (Hkv, R, G * W)."""
+        """bounds[h] = _sample_bound of each head (one thread: a few microseconds); qn (Hkv, R, L)."""
         hkv, _, capacity = k.shape
         n, sinks_end, window_start, r = layout
         for h in range(hkv):
@@ -433,7 +485,7 @@ if HAVE_NUMBA:
     def _scan_jit(qn, starts, k, layout, chunks, tile, flags, hist, cand_index, cand_score, counts, bounds, g_tag,
                   w_tag):
         """The candidates of every piece of the heads with bounds[h] >= -1, from that bound; qn
-        (Hkv, R, G * W) the complemented query words of each block of starts (R + 1,)."""
+        (Hkv, R, L) the `query_words` of each block of starts (R + 1,)."""
         hkv, _, capacity = k.shape
         n, sinks_end, window_start, r = layout
         m = window_start - sinks_end
@@ -467,25 +519,23 @@ if HAVE_NUMBA:
             _finish_head(h, chunks, layout, counts, hist, cand_index, cand_score, out[h, sinks_end : sinks_end + r])
 
     @njit(cache=True)
-    def _scores_jit(q, k, n, flags, out, g_tag, w_tag):
-        """Full score rows, one thread: score_select (the decode path) never needs them."""
+    def _scores_jit(qn, k, n, flags, out, g_tag, w_tag):
+        """Full score rows, one thread: score_select (the decode path) never needs them; qn (Hkv, 1, L)."""
         hkv, _, capacity = k.shape
         for h in range(hkv):
-            qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
             for t0 in range(0, n, TILE):
                 count = min(TILE, n - t0)
-                _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags, g_tag, w_tag)
+                _tile_scores(qn[h, 0], k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags, g_tag, w_tag)
 
     @njit(cache=True)
-    def _scores_blocks_jit(q, k, bounds, flags, out, g_tag, w_tag):
-        """Score rows over ascending token blocks, block r with its own query codes q[r]; one thread."""
+    def _scores_blocks_jit(qn, k, bounds, flags, out, g_tag, w_tag):
+        """Score rows over ascending token blocks, block r with its own query words qn[:, r]; one thread."""
         hkv, _, capacity = k.shape
         for r in range(len(bounds) - 1):
             for h in range(hkv):
-                qh = ~q[r, h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
                 for t0 in range(bounds[r], bounds[r + 1], TILE):
                     count = min(TILE, bounds[r + 1] - t0)
-                    _tile_scores(qh, k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags, g_tag, w_tag)
+                    _tile_scores(qn[h, r], k[h].ravel(), capacity, t0, count, -1, out[h, t0:], flags, g_tag, w_tag)
 
 
 # ----------------------------------------------------------------------------- scratch
@@ -558,6 +608,21 @@ def new_scratch(hkv: int, capacity: int, bins: int) -> Scratch:
     )
 
 
+def query_words(q: np.ndarray, hkv: int, group: int, words: int) -> np.ndarray:
+    """The scan's form of query codes q (R, H, W) uint64: (Hkv, R, L) uint64 per KV head and block.
+
+    Below G = 5 the complemented words (L = G * W; score = the sum of G popcounts a key word);
+    from 5 on, the G words of each bit position counted into P = G.bit_length() bit planes
+    (L = P * W + 1, the last word the matches of a key whose bits are all clear), scored with
+    P + 1 popcounts a key word (`_tile_scores`): the same integer scores, 1.8x faster at G = 7
+    (Qwen2.5's 14 heads over 2 KV heads; ad hoc, 131K tokens, one AMD EPYC core). numba only.
+    """
+    planes = _plane_count(group)
+    out = np.empty((hkv, len(q), planes * words + 1 if planes else group * words), np.uint64)
+    _query_words_jit(np.ascontiguousarray(q), hkv, out, *tags(group, words))
+    return out
+
+
 def make_scratch(q_codes, k_codes) -> Scratch:
     """Buffers for `score_select(q_codes, k_codes, ...)`; allocate once per cache, reuse every step."""
     q, k = as_codes(q_codes, "q_codes"), as_codes(k_codes, "k_codes")
@@ -605,7 +670,7 @@ def scores(q_codes, k_codes, n: int, out=None, *, jit: bool = True) -> np.ndarra
     dest = result(out, (hkv, n), np.int32)
     if jit and HAVE_NUMBA:
         flags = np.empty(TILE, np.uint8)  # (TILE,) written and unused here
-        _scores_jit(q, k, n, flags, dest, *tags(group, words))
+        _scores_jit(query_words(q[None], hkv, group, words), k, n, flags, dest, *tags(group, words))
     else:
         _scores_numpy(q, k, n, group, dest)
     return dest
@@ -642,7 +707,8 @@ def scores_blocks(q_codes, k_codes, n: int, bounds, out=None, *, jit: bool = Tru
     dest[:, : b[0]] = 0
     dest[:, b[-1] :] = 0
     if jit and HAVE_NUMBA:
-        _scores_blocks_jit(q, k, b, np.empty(TILE, np.uint8), dest, *tags(group, words))
+        _scores_blocks_jit(query_words(q, hkv, group, words), k, b, np.empty(TILE, np.uint8), dest,
+                           *tags(group, words))
         return dest
     for r in range(len(q)):
         lo, hi = int(b[r]), int(b[r + 1])
@@ -733,7 +799,7 @@ def _fused_select(q, starts, kc, layout, group: int, words: int, dest, scratch) 
     buf, chunks = scratch if scratch is not None else make_scratch(q[0], kc), _numba_threads()
     if not buf.fits(hkv, group * words * WORD_BITS + 1, layout.n, chunks):
         raise ValueError("scratch was made for other q_codes / k_codes shapes: call make_scratch again")
-    qn = np.ascontiguousarray((~q).reshape(len(q), hkv, group * words).transpose(1, 0, 2))  # (Hkv, R, G * W)
+    qn = query_words(q, hkv, group, words)  # (Hkv, R, L)
     g_tag, w_tag = tags(group, words)
     scan = (qn, starts, kc, layout, chunks, buf.tile, buf.flags, buf.hist, buf.cand_index, buf.cand_score,
             buf.counts, buf.bounds, g_tag, w_tag)

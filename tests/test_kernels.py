@@ -99,8 +99,10 @@ def random_codes(rng, hkv: int, group: int, words: int, capacity: int, distinct:
     return q, np.ascontiguousarray(k.transpose(0, 2, 1))  # (Hkv, W, N)
 
 
-# (Hkv, G, W, n): odd sizes; few distinct (G, W) pairs keep the JIT's cold compile short
-CASES = [(1, 1, 1, 1), (2, 3, 2, 13), (3, 3, 2, 255), (2, 4, 4, 1000), (1, 4, 3, 4097), (3, 1, 1, 300)]
+# (Hkv, G, W, n): odd sizes; few distinct (G, W) pairs keep the JIT's cold compile short. G = 7
+# (Qwen2.5's geometry) takes the CPU scan's bit-plane form (kernels.cpu.query_words).
+CASES = [(1, 1, 1, 1), (2, 3, 2, 13), (3, 3, 2, 255), (2, 4, 4, 1000), (1, 4, 3, 4097), (3, 1, 1, 300),
+         (2, 7, 2, 777)]
 
 
 # ----------------------------------------------------------------------------- pack
@@ -177,6 +179,18 @@ def test_scores_count_padding_bits_as_matches(backend):
     expected = [[sum(64 - (int(q[g, w]) ^ int(k[0, w, t])).bit_count() for g in range(3) for w in range(2))
                  for t in range(9)]]
     np.testing.assert_array_equal(backend.get(kernels.scores(backend.put(q), backend.put(k), 9)), expected)
+
+
+@pytest.mark.parametrize("group,planes", [(5, 3), (8, 4), (16, 5)])
+def test_scores_of_large_groups_equal_brute_force_in_plane_form(backend, group, planes):
+    """From G = 5 the CPU counts the group's query words into G.bit_length() planes; 100-bit codes,
+    so the padding bits (clear in every query and key) count as matches there too."""
+    rng = np.random.default_rng(group)
+    q = ref_pack(rng.standard_normal((2 * group, 100)).astype(np.float32))  # (H, 2), Hkv = 2
+    k = ref_pack(rng.standard_normal((2, 301, 100)).astype(np.float32)).transpose(0, 2, 1).copy()  # (2, 2, 301)
+    if backend.name == "cpu":
+        assert cpu.query_words(q[None], 2, group, 2).shape == (2, 1, planes * 2 + 1)
+    np.testing.assert_array_equal(backend.get(kernels.scores(backend.put(q), backend.put(k), 300)), ref_scores(q, k, 300))
 
 
 def test_scores_out_buffer_is_reused(backend):
