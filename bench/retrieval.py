@@ -25,7 +25,7 @@ import kernels
 from bench.common import SMALL_MODEL, Target, finish, log, parser
 from kernels import cpu
 
-MODELS = {"SmolLM2-135M": (3, 3, 64), "Llama-8B-like": (8, 4, 128)}  # (Hkv, G, D)
+MODELS = {"SmolLM2-135M": (3, 3, 64), "Qwen2.5-0.5B": (2, 7, 64), "Llama-8B-like": (8, 4, 128)}  # (Hkv, G, D); G = 7 takes the bit-plane scan
 FULL = {"contexts": [4096, 32768, 131072, 524288], "repeats": 25, "numpy_up_to": 131072}
 QUICK = {"contexts": [4096, 32768, 131072], "repeats": 7, "numpy_up_to": 32768}
 BITS, RATIO, SINKS, WINDOW = 128, 0.02, 4, 64
