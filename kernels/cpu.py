@@ -219,9 +219,12 @@ if HAVE_NUMBA:
 
     @njit(inline="always")
     def _plane_count(group):
-        """Bit planes of the query words for G query heads (`query_words`): 0 (the complemented
-        words, G popcounts a key word) below G = 5, where P + 1 popcounts would not be fewer."""
-        return 0 if group < 5 else (3 if group < 8 else (4 if group < 16 else (5 if group < 32 else 6)))
+        """Bit planes of the query words for G query heads (`query_words`): G.bit_length() for
+        5 <= G < 64, else 0 (the complemented words, G popcounts a key word): below 5 P + 1
+        popcounts would not be fewer, and a chain of constants keeps P a compile-time number."""
+        if group < 5 or group >= 64:
+            return 0
+        return 3 if group < 8 else (4 if group < 16 else (5 if group < 32 else 6))
 
     @njit(cache=True)
     def _query_words_jit(q, hkv, out, g_tag, w_tag):
@@ -327,8 +330,8 @@ if HAVE_NUMBA:
     def _scan_codes(qhs, starts, kf, capacity, lo, hi, r, start_bound, tile, flags, hist, cand_index, cand_score,
                     g_tag, w_tag):
         """Candidates of tokens [lo, hi) of one head scoring above start_bound (-1: all), scored from
-        codes, in index order; returns how many. Token t is scored with the complemented query words
-        qhs[j] (R, L) of its block (`query_words`), starts[j] <= t < starts[j + 1] (the flat scan: one block).
+        codes, in index order; returns how many. Token t is scored with the query words qhs[j]
+        (R, L) of its block (`query_words`), starts[j] <= t < starts[j + 1] (the flat scan: one block).
 
         NOTE: a token is dropped only when at least r earlier tokens of the range score >= it (it
         then ranks below r tokens in (score desc, index asc) order and cannot be selected), or when
@@ -611,8 +614,8 @@ def new_scratch(hkv: int, capacity: int, bins: int) -> Scratch:
 def query_words(q: np.ndarray, hkv: int, group: int, words: int) -> np.ndarray:
     """The scan's form of query codes q (R, H, W) uint64: (Hkv, R, L) uint64 per KV head and block.
 
-    Below G = 5 the complemented words (L = G * W; score = the sum of G popcounts a key word);
-    from 5 on, the G words of each bit position counted into P = G.bit_length() bit planes
+    Below G = 5 (and from 64) the complemented words (L = G * W; score = the sum of G popcounts a
+    key word); from 5 to 63, the G words of each bit position counted into P = G.bit_length() bit planes
     (L = P * W + 1, the last word the matches of a key whose bits are all clear), scored with
     P + 1 popcounts a key word (`_tile_scores`): the same integer scores, 1.8x faster at G = 7
     (Qwen2.5's 14 heads over 2 KV heads; ad hoc, 131K tokens, one AMD EPYC core). numba only.
