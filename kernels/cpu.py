@@ -559,6 +559,14 @@ class Scratch:
     cand_score: np.ndarray  # (Hkv, N) int32
     counts: np.ndarray  # (pieces,) int64: candidates per piece
     bounds: np.ndarray  # (Hkv,) int64: each head's starting bound (_sample_bound)
+    query: np.ndarray  # (>= Hkv * R * L,) uint64: `query_words` of the last call, grown to the most blocks R seen
+
+    def query_words(self, q: np.ndarray, hkv: int, group: int, words: int) -> np.ndarray:
+        """`query_words` written into this scratch's buffer: (Hkv, R, L), a view valid until the next call."""
+        size = hkv * len(q) * query_width(group, words)
+        if self.query.size < size:  # more blocks than before: past the window R grows once every fold tokens
+            self.query = np.empty(2 * size, np.uint64)
+        return query_words(q, hkv, group, words, out=self.query[:size].reshape(hkv, len(q), -1))
 
     def fits(self, hkv: int, bins: int, n: int, chunks: int) -> bool:
         """Room for Hkv heads of n tokens, scores below `bins`, and `chunks` threads."""
@@ -608,10 +616,17 @@ def new_scratch(hkv: int, capacity: int, bins: int) -> Scratch:
         cand_score=np.empty((hkv, capacity), np.int32),
         counts=np.empty(hkv + most - 1, np.int64),
         bounds=np.empty(hkv, np.int64),
+        query=np.empty(0, np.uint64),
     )
 
 
-def query_words(q: np.ndarray, hkv: int, group: int, words: int) -> np.ndarray:
+def query_width(group: int, words: int) -> int:
+    """L: `query_words`' words per KV head and block."""
+    planes = _plane_count(group)
+    return planes * words + 1 if planes else group * words
+
+
+def query_words(q: np.ndarray, hkv: int, group: int, words: int, out: np.ndarray | None = None) -> np.ndarray:
     """The scan's form of query codes q (R, H, W) uint64: (Hkv, R, L) uint64 per KV head and block.
 
     Below G = 5 (and from 64) the complemented words (L = G * W; score = the sum of G popcounts a
@@ -619,9 +634,13 @@ def query_words(q: np.ndarray, hkv: int, group: int, words: int) -> np.ndarray:
     (L = P * W + 1, the last word the matches of a key whose bits are all clear), scored with
     P + 1 popcounts a key word (`_tile_scores`): the same integer scores, 1.8x faster at G = 7
     (Qwen2.5's 14 heads over 2 KV heads; ad hoc, 131K tokens, one AMD EPYC core). numba only.
+    out: a C-contiguous uint64 (Hkv, R, L) buffer to write (decode steps: Scratch.query_words), else made.
     """
-    planes = _plane_count(group)
-    out = np.empty((hkv, len(q), planes * words + 1 if planes else group * words), np.uint64)
+    shape = (hkv, len(q), query_width(group, words))
+    if out is None:
+        out = np.empty(shape, np.uint64)
+    elif out.shape != shape or out.dtype != np.uint64 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous uint64 {shape}, got {out.dtype} {out.shape}")
     _query_words_jit(np.ascontiguousarray(q), hkv, out, *tags(group, words))
     return out
 
@@ -802,7 +821,7 @@ def _fused_select(q, starts, kc, layout, group: int, words: int, dest, scratch) 
     buf, chunks = scratch if scratch is not None else make_scratch(q[0], kc), _numba_threads()
     if not buf.fits(hkv, group * words * WORD_BITS + 1, layout.n, chunks):
         raise ValueError("scratch was made for other q_codes / k_codes shapes: call make_scratch again")
-    qn = query_words(q, hkv, group, words)  # (Hkv, R, L)
+    qn = buf.query_words(q, hkv, group, words)  # (Hkv, R, L)
     g_tag, w_tag = tags(group, words)
     scan = (qn, starts, kc, layout, chunks, buf.tile, buf.flags, buf.hist, buf.cand_index, buf.cand_score,
             buf.counts, buf.bounds, g_tag, w_tag)

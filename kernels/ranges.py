@@ -179,14 +179,14 @@ if HAVE_NUMBA:  # the plain Python functions above are also the no-numba fallbac
             taken_ties += tie
 
     @njit(parallel=True, cache=True)
-    def _ranges_score_select(q, k, range_lo, range_hi, range_count, layout, chunks, tile, flags, hist, cand_index,
+    def _ranges_score_select(qn, k, range_lo, range_hi, range_count, layout, chunks, tile, flags, hist, cand_index,
                              cand_score, out, g_tag, w_tag):
+        """qn (Hkv, 1, L): the codes' `cpu.query_words` (the form `_tile_scores` reads)."""
         hkv, _, capacity = k.shape
         n, sinks_end, window_start, r = layout
         for c in prange(chunks):
             for h in range(c * hkv // chunks, (c + 1) * hkv // chunks):
-                qh = ~q[h * len(g_tag) : (h + 1) * len(g_tag)].ravel()  # (G * W,)
-                _select_ranges(qh, k[h].ravel(), capacity, range_lo[h], range_hi[h], range_count[h], r, tile[c],
+                _select_ranges(qn[h, 0], k[h].ravel(), capacity, range_lo[h], range_hi[h], range_count[h], r, tile[c],
                                flags[c], hist[4 * c : 4 * c + 4], cand_index[h], cand_score[h],
                                out[h, sinks_end : sinks_end + r], g_tag, w_tag)
 
@@ -288,7 +288,7 @@ def ranges_score_select(q_codes, k_codes, n: int, range_lo, range_hi, range_coun
     if not buf.fits(hkv, group * words * WORD_BITS + 1, n, chunks):
         raise ValueError("scratch was made for other q_codes / k_codes shapes: call make_scratch again")
     hist = buf.hist if buf.hist.shape[0] >= 4 * chunks else np.empty((4 * chunks, buf.hist.shape[1]), np.int64)
-    _ranges_score_select(q, kc, lo_, hi_, count_, layout, chunks, buf.tile, buf.flags, hist, buf.cand_index,
+    _ranges_score_select(buf.query_words(q[None], hkv, group, words), kc, lo_, hi_, count_, layout, chunks, buf.tile, buf.flags, hist, buf.cand_index,
                          buf.cand_score, dest, *tags(group, words))
     _fill_forced(dest, *layout)
     return dest

@@ -330,6 +330,23 @@ def test_score_select_blocks_equals_brute_force_over_the_block_scores(backend, n
     np.testing.assert_array_equal(got, ref_select_fast(ref_scores_blocks(q, k, n, bounds), budget, SINKS, 256))
 
 
+def test_one_scratch_serves_a_changing_number_of_blocks(backend):
+    """Past the window the blocks grow by one every fold tokens and a new conversation starts
+    with fewer: one scratch (whose query-word buffer grows) gives each call the fresh-scratch
+    selection, at G = 7 (the bit-plane form)."""
+    rng = np.random.default_rng(7)
+    n, budget = 3000, 200
+    _, k = random_codes(rng, 2, 7, 2, n)
+    layout = kernels.selection_layout(n, budget, SINKS, 256)
+    scratch = kernels.make_scratch(backend.put(rng.integers(0, 2**64, size=(14, 2), dtype=np.uint64)), backend.put(k))
+    for blocks in (2, 5, 9, 3, 5):
+        q = rng.integers(0, 2**64, size=(blocks, 14, 2), dtype=np.uint64)  # (R, H, W)
+        bounds = blocks_of(layout, blocks)
+        got = backend.get(kernels.score_select_blocks(backend.put(q), backend.put(k), n, bounds, budget, SINKS, 256,
+                                                      scratch=scratch))
+        np.testing.assert_array_equal(got, ref_select_fast(ref_scores_blocks(q, k, n, bounds), budget, SINKS, 256))
+
+
 def test_score_select_blocks_refuses_blocks_that_leave_part_of_the_middle_out():
     rng = np.random.default_rng(1)
     q = rng.integers(0, 2**64, size=(2, 2, 1), dtype=np.uint64)

@@ -63,10 +63,11 @@ def test_every_span_chosen_equals_the_flat_scan(backend, n, k, distinct):
     np.testing.assert_array_equal(got, flat)
 
 
+@pytest.mark.parametrize("group", [3, 7])  # 7: Qwen2.5's group, scored in the scan's bit-plane form
 @pytest.mark.parametrize("distinct", [0, 3])
-def test_ranged_selection_equals_brute_force_over_the_scanned_tokens(distinct):
+def test_ranged_selection_equals_brute_force_over_the_scanned_tokens(distinct, group):
     rng = np.random.default_rng(distinct)
-    q, codes = random_codes(rng, distinct=distinct)
+    q, codes = random_codes(rng, group=group, distinct=distinct)
     n, k = 4800, 200
     starts, ends = map(np.array, SEGMENTS)
     layout = kernels.selection_layout(n, k, SINKS, WINDOW)
