@@ -74,6 +74,36 @@ if HAVE_NUMBA:
             out[r, w] = word
 
     @njit(fastmath=FASTMATH, cache=True)
+    def _bias_silu(z, b1, block, act, power, scale_bits):
+        """z (R, B, F) += b1[:, block] (R, 1, F); act (R, B, F) = silu(z), as _code_row forms it
+        (power, scale_bits (F,) scratch): one pass, where numpy's float32 exp alone took 2.5-3.6
+        ns a value on an AVX2 EPYC (numpy 2.4)."""
+        rows, batch, width = z.shape
+        scale = scale_bits.view(np.float32)
+        for r in range(rows):
+            for b in range(batch):
+                for f in range(width):
+                    zf = z[r, b, f] + b1[r, block, 0, f]
+                    z[r, b, f] = zf
+                    t = min(max(-zf * LOG2E, np.float32(-126.0)), np.float32(126.0))
+                    power[f], exponent = _exp2_parts(t)
+                    scale_bits[f] = (exponent + 127) << 23
+                for f in range(width):
+                    act[r, b, f] = z[r, b, f] / (np.float32(1.0) + power[f] * scale[f])
+
+    @njit(cache=True)
+    def _pack_turned(h, out):
+        """out[b, r] (B, R, W) = the packed signs of h[r, b] (R, B, C), kernels.pack's bit order."""
+        rows, batch, bits = h.shape
+        for r in range(rows):
+            for b in range(batch):
+                for w in range(out.shape[2]):
+                    word = np.uint64(0)
+                    for j in range(min(WORD_BITS, bits - WORD_BITS * w)):
+                        word |= np.uint64(h[r, b, WORD_BITS * w + j] > 0) << np.uint64(j)
+                    out[b, r, w] = word
+
+    @njit(fastmath=FASTMATH, cache=True)
     def _mlp_codes(x, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
         for r in range(x.shape[0]):
             _code_row(x, r, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
@@ -162,14 +192,20 @@ class MlpCoder:
         np.copyto(y, x.transpose(1, 0, 2))  # (R, B, D)
         for block in range(self.depth):
             np.matmul(y, w1[:, block], out=z)  # (R, B, F); each (D, F) slice is contiguous: BLAS
-            z += b1[:, block]
-            np.negative(z, out=act)
-            np.minimum(act, 80.0, out=act)  # exp(80) is finite in fp32; silu(z < -80) is -0 either way
-            np.exp(act, out=act)
-            act += 1
-            np.divide(z, act, out=act)  # silu(z) = z / (1 + exp(-z))
+            if HAVE_NUMBA:
+                _bias_silu(z, b1, block, act, self.scratch[3][0], self.scratch[4][0])
+            else:
+                z += b1[:, block]
+                np.negative(z, out=act)
+                np.minimum(act, 80.0, out=act)  # exp(80) is finite in fp32; silu(z < -80) is -0 either way
+                np.exp(act, out=act)
+                act += 1
+                np.divide(z, act, out=act)  # silu(z) = z / (1 + exp(-z))
             y += np.matmul(act, w2[:, block], out=dy)  # (R, B, D)
         np.matmul(y, w_out, out=h)  # (R, B, C)
+        if HAVE_NUMBA:
+            _pack_turned(h, out)
+            return out
         pack(h, out=codes)  # (R, B, W)
         np.copyto(out, codes.transpose(1, 0, 2))
         return out
