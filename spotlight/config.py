@@ -183,8 +183,12 @@ class SpotlightConfig:
     # distances) + the `far_retrieved` best others by their codes, re-positioned just before the
     # window (spotlight/beyond.py). A fixed number, not a share of N: about what the model was
     # trained to attend to (the oracle experiment: 2,048 + 2,048 held a needle at 16K).
-    far_window: int = 2048
-    far_retrieved: int = 2048
+    # 4,096 retrieved + 1,024 recent, not 2,048 + 2,048: Qwen2.5-Coder-0.5B's 131K needles (the
+    # bench.longctx prompt prefilled once, the question and reply under each budget) were found 9
+    # of 10 against 5 (2,048 + 2,048), 8 (4,096 + 2,048), 8 (6,144 + 2,048), 6 (3,072 + 1,024),
+    # 7 (3,584 + 512); what is retrieved, not the recent window, finds the needles (docs/DECISIONS.md).
+    far_window: int = 1024
+    far_retrieved: int = 4096
     # Past the window a key's code is compared with the query turned back by a multiple of this
     # many tokens, so every candidate is scored as if it lay [far_window, far_window + far_fold)
     # tokens back, where it is read after re-positioning (CodeSelector.select_far); scored at its

@@ -147,7 +147,8 @@ def test_fingerprints_and_decode_mode():
     assert sparse.fingerprints == Fingerprints("tiny-random-0", expected, "float16")
     assert (dense.decodes_densely, dense.spotlight) == (True, None)
     assert not sparse.decodes_densely
-    assert sparse.spotlight == SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16)
+    assert sparse.spotlight == SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16,
+                                               far_window=2048, far_retrieved=2048)  # testing.tiny_engine's
 
 
 def test_with_spotlight_returns_the_same_engine_when_unchanged():
