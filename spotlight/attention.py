@@ -407,8 +407,9 @@ class CodeSelector:
         q_codes = self._far_codes(layer, q, self._far_turn(blocks, fold, rotations, q.device))  # (R, H, W)
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes[0], k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
-        return kernels.score_select_blocks(q_codes, k_codes, n, bounds, retrieved, sinks, window, out=out,
-                                           scratch=self._scratch)
+        kernels.score_select_blocks(q_codes, k_codes, n, bounds, retrieved, sinks, window, out=out,
+                                    scratch=self._scratch)
+        return out  # as _scan: numpy on the CPU, a torch view of the device buffer on a GPU (not a CuPy array)
 
     def _far_turn(self, blocks: int, fold: int, rotations: Rotations, device):
         """cos, sin (R, 1, 1, D) turning queries back by (R - 1 - r) * fold for block r; made when the
@@ -460,8 +461,8 @@ class CodeSelector:
     def _two_level(self, layer, q_codes, cache, n, retrieved, sinks, window):
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
-        return self.two_level.select(layer, q_codes, k_codes, cache.spans, n, retrieved, sinks, window, out,
-                                     self._scratch)
+        self.two_level.select(layer, q_codes, k_codes, cache.spans, n, retrieved, sinks, window, out, self._scratch)
+        return out  # as _scan
 
     def _out(self, q_codes, k_codes, n, retrieved, sinks, window) -> np.ndarray:
         """The (Hkv, K) view of the reused selection buffer for this step's layout."""
