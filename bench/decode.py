@@ -159,6 +159,8 @@ class LlamaCppRunner:
 
         self.source = loading.resolve(model or DEFAULT_NAME, default_home(), fp32_weights=False)
         self.gguf = self.source.gguf_file
+        if self.gguf is None:
+            raise ValueError(f"{model or DEFAULT_NAME} has no GGUF file: llama.cpp reads GGUF only")
         self.measure(WARM_UP_TOKENS + 2, 2)  # the same warm-up as ours
 
     def _bench(self, prompt: int, gen: int, depth: int) -> dict:
@@ -170,12 +172,16 @@ class LlamaCppRunner:
         (result,) = json.loads(out.stdout)
         return result
 
+    def prefill_tps(self, prompt: int) -> float:
+        """Tokens/s of its `pp` test: `prompt` tokens from an empty cache."""
+        return self._bench(prompt, 0, 0)["avg_ts"]
+
     def measure(self, n: int, new_tokens: int) -> dict:
         prompt = n - new_tokens
-        pp = self._bench(prompt, 0, 0)
+        prefill = self.prefill_tps(prompt)
         tg = self._bench(0, new_tokens - 1, prompt)
         kv = tg["n_depth"] + new_tokens  # f16 K and V (type_k / type_v) of the cached tokens
-        return {"prefill_tps": pp["avg_ts"], "decode_tps": tg["avg_ts"],
+        return {"prefill_tps": prefill, "decode_tps": tg["avg_ts"],
                 "bytes_per_token": tg["model_size"] + kv * self.kv_bytes_per_token()}
 
     @functools.cache

@@ -18,7 +18,9 @@ the same way (higher is better, 0 = certain). Side by side, in one run:
 Speed: while the Spotlight context of the longest length is prefilled, the tokens/s of its first
 8,128 tokens (an 8K ingest, its decode still inside the window) beside that of the whole length,
 and decode tokens/s (greedy, the essay's continuation) at 8K and at the full length, in the same
-context.
+context. Where `make bench-deps` built llama.cpp, its own llama-bench then measures prompt
+processing on the same GGUF at its maximum, the model's window (every core, flash attention),
+beside the Spotlight context's ingest of the longest length: the issue's 1.5x.
 """
 from __future__ import annotations
 
@@ -250,9 +252,15 @@ def main(argv=None) -> dict:
             cells[(length, "truncated")], _ = ask_all(dense, truncated(spot, prompt, window - QUESTION_ROOM),
                                                       "truncated", f"{length:,}")
         cells[(length, "dense in window")] = answers["dense in window"]
-    rows = needle_rows(lengths, n_tokens, cells, methods) + speed_rows(lengths, speed)
-    targets = needle_targets(lengths, cells) + speed_targets(max(lengths), speed[max(lengths)])
+    llama = llama_prompt_speed(args.model, window)
+    longest = max(lengths)
+    rows = needle_rows(lengths, n_tokens, cells, methods) + speed_rows(lengths, speed) + \
+        llama_rows(longest, speed[longest], llama)
+    targets = needle_targets(lengths, cells) + speed_targets(longest, speed[longest]) + \
+        llama_targets(longest, speed[longest], llama)
     notes = notes_for(spot, lengths, len(reference), time.perf_counter() - started)
+    if llama is None:
+        notes += " llama.cpp was not measured (not built here: `make bench-deps`, or the model has no GGUF)."
     if methods != METHODS:
         notes += f" This run measured only: {', '.join(methods)}."
     other = args.model != SMALL_MODEL  # another model's run: a section of its own
@@ -303,6 +311,47 @@ def speed_rows(lengths, speed) -> list[dict]:
         {"part": "speed (Spotlight, one context)", "measure": "peak RSS MB (whole run)", "at 8K": None,
          f"at {longest:,}": rss, "ratio": None},
     ]
+
+
+def llama_prompt_speed(model: str, window: int) -> dict | None:
+    """llama.cpp's prompt processing of `window` tokens (the most its context holds: the model's
+    window) on the same GGUF, through bench.decode's llama-bench runner: {"tokens", "tps"}; None
+    where `make bench-deps` has not built it or the model is not a GGUF."""
+    from bench.decode import LlamaCppRunner, llama_bench_available
+
+    if not llama_bench_available():
+        log("llama.cpp's llama-bench is not built (make bench-deps): its prompt processing is not measured")
+        return None
+    try:
+        runner = LlamaCppRunner(window, model)
+    except ValueError as e:  # not a GGUF
+        log(f"{e}: its prompt processing is not measured")
+        return None
+    log(f"llama.cpp: prompt processing of {window:,} tokens (llama-bench) ...")
+    return {"tokens": window, "tps": runner.prefill_tps(window)}
+
+
+LLAMA_PART = "ingest beside llama.cpp (same GGUF, prompt processing from an empty cache)"
+
+
+def llama_rows(longest: int, s: dict, llama: dict | None) -> list[dict]:
+    """Our ingest of the longest length beside llama.cpp's at its window (none without llama)."""
+    if llama is None:
+        return []
+    return [
+        {"part": LLAMA_PART, "engine": "ours: Spotlight past the window", "prompt tokens": longest,
+         "prefill tokens/s": s.get("prefill_long")},
+        {"part": LLAMA_PART, "engine": "llama.cpp (llama-bench pp): its window, dense", "prompt tokens": llama["tokens"],
+         "prefill tokens/s": llama["tps"]},
+    ]
+
+
+def llama_targets(longest: int, s: dict, llama: dict | None) -> list[Target]:
+    if llama is None:
+        return []
+    ours = s.get("prefill_long")
+    ratio = ours / llama["tps"] if ours and llama["tps"] else float("nan")
+    return [Target(f"prefill tokens/s at {longest:,} / llama.cpp's at its window ({llama['tokens']:,})", ratio, 1.5)]
 
 
 def _ratio(s: dict, what: str) -> float:

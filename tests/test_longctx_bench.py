@@ -60,3 +60,20 @@ def test_an_unknown_method_is_refused_before_any_model_loads(capsys):
     assert stopped.value.code == 2
     assert ("--methods takes spotlight (always) and any of sinks+window, truncated; got 'spotlight,oracle'"
             in capsys.readouterr().err)
+
+
+def test_ingest_beside_llama_cpp_is_tabulated_with_its_target_only_when_measured():
+    from bench.longctx import LLAMA_PART, llama_rows, llama_targets
+
+    speed = {"prefill_short": 90.0, "prefill_long": 45.0}
+    llama = {"tokens": 32_768, "tps": 60.0}
+    rows = llama_rows(131_072, speed, llama)
+    assert rows == [
+        {"part": LLAMA_PART, "engine": "ours: Spotlight past the window", "prompt tokens": 131_072,
+         "prefill tokens/s": 45.0},
+        {"part": LLAMA_PART, "engine": "llama.cpp (llama-bench pp): its window, dense", "prompt tokens": 32_768,
+         "prefill tokens/s": 60.0}]
+    (target,) = llama_targets(131_072, speed, llama)
+    assert (target.name, target.value, target.target, target.met) == (
+        "prefill tokens/s at 131,072 / llama.cpp's at its window (32,768)", 0.75, 1.5, False)
+    assert llama_rows(131_072, speed, None) == [] and llama_targets(131_072, speed, None) == []
