@@ -40,6 +40,7 @@ NEW_TOKENS = 20  # greedy reply tokens per question: the model restates the ques
 SPEED_AT = 8192 - 64
 SPEED_TOKENS = 16  # decode tokens per speed measurement
 QUESTION_ROOM = 512  # tokens kept free for a question and its reply in the truncated and reference prompts
+SLICE = 8192  # the longest length's prefill is logged and tabulated per this many tokens
 
 
 @dataclass(frozen=True)
@@ -134,12 +135,13 @@ def ingest(engine, ids: list[int], speed_at: int | None = None) -> tuple[object,
     speed = {}
     started = time.perf_counter()
     if speed_at is not None and len(ids) > speed_at:
-        engine.prefill(context, ids[:speed_at])
+        speed["slices"] = slices = []
+        engine.prefill(context, ids[:speed_at], progress=slice_meter(0, slices))
         short = time.perf_counter() - started
         speed["prefill_short"] = speed_at / short
         speed["decode_short"] = _decode_speed(engine, context, ids[:speed_at])
         resumed = time.perf_counter()
-        engine.prefill(context, ids[speed_at:])
+        engine.prefill(context, ids[speed_at:], progress=slice_meter(speed_at, slices))
         seconds = short + (time.perf_counter() - resumed)  # the decode at 8K left out
         speed["prefill_long"] = len(ids) / seconds
         speed["decode_long"] = _decode_speed(engine, context, ids)
@@ -147,6 +149,23 @@ def ingest(engine, ids: list[int], speed_at: int | None = None) -> tuple[object,
         engine.prefill(context, ids)
     speed["prefill_seconds"] = time.perf_counter() - started
     return context, speed
+
+
+def slice_meter(offset: int, slices: list, clock: Callable[[], float] = time.perf_counter):
+    """A prefill progress callback (engine.prefill's `progress`) that appends (from, to, tokens/s)
+    to `slices` for every SLICE tokens read, and at the end, and logs each; `offset` tokens were
+    in the context before this prefill."""
+    mark = {"at": offset, "time": clock()}
+
+    def progress(done: int, total: int) -> None:
+        at = offset + done
+        if at - mark["at"] >= SLICE or (done == total and at > mark["at"]):
+            now = clock()
+            slices.append((mark["at"], at, (at - mark["at"]) / max(now - mark["time"], 1e-9)))
+            log(f"  prefilled {at:,} tokens: {slices[-1][2]:.1f} tokens/s since {mark['at']:,}")
+            mark.update(at=at, time=now)
+
+    return progress
 
 
 def _decode_speed(engine, context, ids: list[int]) -> float:
@@ -246,6 +265,7 @@ def main(argv=None) -> dict:
         n_tokens[length] = len(prompt)
         cells[(length, "spotlight")], speed[length] = ask_all(
             spot, prompt, "spotlight", f"{length:,}", SPEED_AT if length == max(lengths) else None)
+        speed[length]["window"] = window
         if "sinks+window" in methods:
             cells[(length, "sinks+window")], _ = ask_all(sink, prompt, "sinks+window", f"{length:,}")
         if "truncated" in methods:
@@ -310,7 +330,8 @@ def speed_rows(lengths, speed) -> list[dict]:
          f"at {longest:,}": s.get("decode_long"), "ratio": _ratio(s, "decode")},
         {"part": "speed (Spotlight, one context)", "measure": "peak RSS MB (whole run)", "at 8K": None,
          f"at {longest:,}": rss, "ratio": None},
-    ]
+    ] + [{"part": f"prefill tokens/s by position (the same context; past {s.get('window', 0):,} tokens: past the window)",
+          "tokens": f"{a:,}-{b:,}", "tokens/s": tps} for a, b, tps in s.get("slices", [])]
 
 
 def llama_prompt_speed(model: str, window: int) -> dict | None:

@@ -77,3 +77,18 @@ def test_ingest_beside_llama_cpp_is_tabulated_with_its_target_only_when_measured
     assert (target.name, target.value, target.target, target.met) == (
         "prefill tokens/s at 131,072 / llama.cpp's at its window (32,768)", 0.75, 1.5, False)
     assert llama_rows(131_072, speed, None) == [] and llama_targets(131_072, speed, None) == []
+
+
+def test_the_prefill_is_metered_per_slice_from_its_offset_and_at_its_end():
+    from bench.longctx import SLICE, slice_meter
+
+    ticks = iter(range(100))  # one second per reading of the clock
+    slices = []
+    progress = slice_meter(1000, slices, clock=lambda: float(next(ticks)))
+    total = 2 * SLICE + 500
+    for done in range(1024, total, 1024):
+        progress(done, total)
+    progress(total, total)
+    assert [(a, b) for a, b, _ in slices] == [(1000, 1000 + 8 * 1024), (1000 + 8 * 1024, 1000 + 16 * 1024),
+                                              (1000 + 16 * 1024, 1000 + total)]
+    assert [tps for _, _, tps in slices] == [8 * 1024, 8 * 1024, total - 16 * 1024]
