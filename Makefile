@@ -18,7 +18,7 @@ help:
 	@echo "make run     set up .venv and start the app on http://$(HOST):$(PORT)"
 	@echo "make test    set up .venv and run the whole test suite"
 	@echo "make bench   run every benchmark and rewrite docs/RESULTS.md (bench-quick: --quick)"
-	@echo "make bench-deps  optional: build llama-cpp-python from source for the llama.cpp comparison"
+	@echo "make bench-deps  optional: build llama.cpp (llama-cpp-python from source) for the comparisons, and Python's docs for bench.docqa"
 
 $(STAMP): requirements.txt requirements-nodeps.txt requirements-models.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -71,6 +71,9 @@ bench-deps: setup
 		-C build-dir=$(LLAMA_BUILD) llama-cpp-python==0.3.36
 	$(PY) -m pip install -q diskcache==5.6.3  # the binding's one runtime dependency the app lacks
 	test -x $(LLAMA_BUILD)/bin/llama-server
+	@# Python's own HTML documentation: bench.docqa's technical-prose questions read it (skipped without it).
+	test -d /usr/share/doc/python3-doc/html || (apt-get update -qq && apt-get install -y -qq python3-doc) \
+		|| echo "no python3-doc: bench.docqa skips its Python-docs questions"
 
 clean-venv:
 	rm -rf $(VENV)
