@@ -163,18 +163,18 @@ class LlamaCppRunner:
             raise ValueError(f"{model or DEFAULT_NAME} has no GGUF file: llama.cpp reads GGUF only")
         self.measure(WARM_UP_TOKENS + 2, 2)  # the same warm-up as ours
 
-    def _bench(self, prompt: int, gen: int, depth: int) -> dict:
+    def _bench(self, prompt: int, gen: int, depth: int, timeout: float = 1800) -> dict:
         import subprocess
 
         cmd = [str(LLAMA_BENCH), "-m", str(self.gguf), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
                "-t", str(os.cpu_count()), "-fa", "on", "-r", "1", "-o", "json"]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=timeout)
         (result,) = json.loads(out.stdout)
         return result
 
-    def prefill_tps(self, prompt: int) -> float:
-        """Tokens/s of its `pp` test: `prompt` tokens from an empty cache."""
-        return self._bench(prompt, 0, 0)["avg_ts"]
+    def prefill_tps(self, prompt: int, timeout: float = 1800) -> float:
+        """Tokens/s of its `pp` test: `prompt` tokens from an empty cache (at most `timeout` seconds)."""
+        return self._bench(prompt, 0, 0, timeout)["avg_ts"]
 
     def measure(self, n: int, new_tokens: int) -> dict:
         prompt = n - new_tokens

@@ -25,6 +25,7 @@ beside the Spotlight context's ingest of the longest length: the issue's 1.5x.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ SPEED_AT = 8192 - 64
 SPEED_TOKENS = 16  # decode tokens per speed measurement
 QUESTION_ROOM = 512  # tokens kept free for a question and its reply in the truncated and reference prompts
 SLICE = 8192  # the longest length's prefill is logged and tabulated per this many tokens
+LLAMA_TIMEOUT_S = 3600  # llama-bench's 32K prompt ran past 30 minutes on a 2-core AMD EPYC (session 14)
 
 
 @dataclass(frozen=True)
@@ -140,11 +142,13 @@ def ingest(engine, ids: list[int], speed_at: int | None = None) -> tuple[object,
         short = time.perf_counter() - started
         speed["prefill_short"] = speed_at / short
         speed["decode_short"] = _decode_speed(engine, context, ids[:speed_at])
+        log(f"  decode at {speed_at:,} tokens: {speed['decode_short']:.2f} tokens/s")
         resumed = time.perf_counter()
         engine.prefill(context, ids[speed_at:], progress=slice_meter(speed_at, slices))
         seconds = short + (time.perf_counter() - resumed)  # the decode at 8K left out
         speed["prefill_long"] = len(ids) / seconds
         speed["decode_long"] = _decode_speed(engine, context, ids)
+        log(f"  decode at {len(ids):,} tokens: {speed['decode_long']:.2f} tokens/s")
     else:
         engine.prefill(context, ids)
     speed["prefill_seconds"] = time.perf_counter() - started
@@ -343,13 +347,13 @@ def llama_prompt_speed(model: str, window: int) -> dict | None:
     if not llama_bench_available():
         log("llama.cpp's llama-bench is not built (make bench-deps): its prompt processing is not measured")
         return None
-    try:
+    try:  # a model without a GGUF, a failing or a too slow llama-bench must not cost the run its rows
         runner = LlamaCppRunner(window, model)
-    except ValueError as e:  # not a GGUF
-        log(f"{e}: its prompt processing is not measured")
+        log(f"llama.cpp: prompt processing of {window:,} tokens (llama-bench) ...")
+        return {"tokens": window, "tps": runner.prefill_tps(window, timeout=LLAMA_TIMEOUT_S)}
+    except (subprocess.SubprocessError, ValueError) as e:
+        log(f"llama.cpp's prompt processing was not measured: {e}")
         return None
-    log(f"llama.cpp: prompt processing of {window:,} tokens (llama-bench) ...")
-    return {"tokens": window, "tps": runner.prefill_tps(window)}
 
 
 LLAMA_PART = "ingest beside llama.cpp (same GGUF, prompt processing from an empty cache)"

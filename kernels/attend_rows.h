@@ -22,26 +22,35 @@
 #if REMAP
 /* dst (D) fp32 = the key src widened, then rotated forward by delta positions (delta < 0: not
    rotated): x * cos + rotate_half(x) * sin, cos = hc * lc - hs * ls, sin = hs * lc + hc * ls for
-   delta = hi * block + lo, as positions.Rotations.cos_sin and rotate compute it. */
+   delta = hi * block + lo, as positions.Rotations.cos_sin and rotate compute it. Where half of D is
+   a multiple of 8, each pair of halves is widened once into registers and both rotated outputs
+   written from them (no staged copy of the row first). */
 static inline void STAGE_KEY(float *dst, const ROW_T *src, int64_t dim, int64_t delta, const struct remap *rot) {
-    for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(dst + c, LOAD_ROW(src + c));
-    if (delta < 0) return;
-    float x[MAX_DIM];
-    memcpy(x, dst, sizeof(float) * (size_t)dim);
+    if (delta < 0) {
+        for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(dst + c, LOAD_ROW(src + c));
+        return;
+    }
     const float *hi = rot->hi + (delta / rot->block) * 2 * dim, *lo = rot->lo + (delta % rot->block) * 2 * dim;
     int64_t half = dim / 2, i = 0;
     if (half % 8 == 0) {
-        for (; i < dim; i += 8) {
+        for (; i < half; i += 8) {
+            __m256 a = LOAD_ROW(src + i), b = LOAD_ROW(src + i + half);  /* x[i], x[i + half] */
             __m256 hc = _mm256_loadu_ps(hi + i), hs = _mm256_loadu_ps(hi + dim + i);
             __m256 lc = _mm256_loadu_ps(lo + i), ls = _mm256_loadu_ps(lo + dim + i);
             __m256 cos = _mm256_sub_ps(_mm256_mul_ps(hc, lc), _mm256_mul_ps(hs, ls));
             __m256 sin = _mm256_add_ps(_mm256_mul_ps(hs, lc), _mm256_mul_ps(hc, ls));
-            __m256 other = i < half ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(x + i + half))
-                                    : _mm256_loadu_ps(x + i - half);
-            _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), cos), _mm256_mul_ps(other, sin)));
+            _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_mul_ps(a, cos),
+                                                    _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), b), sin)));
+            hc = _mm256_loadu_ps(hi + half + i), hs = _mm256_loadu_ps(hi + dim + half + i);
+            lc = _mm256_loadu_ps(lo + half + i), ls = _mm256_loadu_ps(lo + dim + half + i);
+            cos = _mm256_sub_ps(_mm256_mul_ps(hc, lc), _mm256_mul_ps(hs, ls));
+            sin = _mm256_add_ps(_mm256_mul_ps(hs, lc), _mm256_mul_ps(hc, ls));
+            _mm256_storeu_ps(dst + half + i, _mm256_add_ps(_mm256_mul_ps(b, cos), _mm256_mul_ps(a, sin)));
         }
         return;
     }
+    float x[MAX_DIM];
+    for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(x + c, LOAD_ROW(src + c));
     for (; i < dim; i++) {
         float cos = hi[i] * lo[i] - hi[dim + i] * lo[dim + i];
         float sin = hi[dim + i] * lo[i] + hi[i] * lo[dim + i];

@@ -92,3 +92,22 @@ def test_the_prefill_is_metered_per_slice_from_its_offset_and_at_its_end():
     assert [(a, b) for a, b, _ in slices] == [(1000, 1000 + 8 * 1024), (1000 + 8 * 1024, 1000 + 16 * 1024),
                                               (1000 + 16 * 1024, 1000 + total)]
     assert [tps for _, _, tps in slices] == [8 * 1024, 8 * 1024, total - 16 * 1024]
+
+
+def test_a_failing_llama_bench_leaves_the_run_its_rows(tmp_path):
+    """A llama-bench that fails (or runs past its time) is logged and not measured: the run goes on."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TEST_HOME
+
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho 'no such model' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, LLAMA_BENCH=str(fake), SPOTLIGHT_HOME=str(TEST_HOME))
+    code = ("from bench.longctx import llama_prompt_speed; "
+            "print('measured:', llama_prompt_speed('smollm2-135m-instruct', 64))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout.strip().splitlines()[-1]) == (0, "measured: None")
+    assert "llama.cpp's prompt processing was not measured" in done.stdout + done.stderr
