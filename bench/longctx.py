@@ -279,12 +279,13 @@ def main(argv=None) -> dict:
     llama = llama_prompt_speed(args.model, window)
     longest = max(lengths)
     rows = needle_rows(lengths, n_tokens, cells, methods) + speed_rows(lengths, speed) + \
-        llama_rows(longest, speed[longest], llama)
+        llama_rows(n_tokens[longest], speed[longest], llama)
     targets = needle_targets(lengths, cells) + speed_targets(longest, speed[longest]) + \
         llama_targets(longest, speed[longest], llama)
     notes = notes_for(spot, lengths, len(reference), time.perf_counter() - started)
     if llama is None:
-        notes += " llama.cpp was not measured (not built here: `make bench-deps`, or the model has no GGUF)."
+        notes += (" llama.cpp was not measured (the log says why: not built by `make bench-deps`, a model without a "
+                  "GGUF, or llama-bench failed or ran past its time).")
     if methods != METHODS:
         notes += f" This run measured only: {', '.join(methods)}."
     other = args.model != SMALL_MODEL  # another model's run: a section of its own
@@ -359,12 +360,12 @@ def llama_prompt_speed(model: str, window: int) -> dict | None:
 LLAMA_PART = "ingest beside llama.cpp (same GGUF, prompt processing from an empty cache)"
 
 
-def llama_rows(longest: int, s: dict, llama: dict | None) -> list[dict]:
-    """Our ingest of the longest length beside llama.cpp's at its window (none without llama)."""
+def llama_rows(prompt_tokens: int, s: dict, llama: dict | None) -> list[dict]:
+    """Our ingest of the longest prompt (`prompt_tokens`) beside llama.cpp's at its window (none without llama)."""
     if llama is None:
         return []
     return [
-        {"part": LLAMA_PART, "engine": "ours: Spotlight past the window", "prompt tokens": longest,
+        {"part": LLAMA_PART, "engine": "ours: Spotlight past the window", "prompt tokens": prompt_tokens,
          "prefill tokens/s": s.get("prefill_long")},
         {"part": LLAMA_PART, "engine": "llama.cpp (llama-bench pp): its window, dense", "prompt tokens": llama["tokens"],
          "prefill tokens/s": llama["tps"]},
