@@ -269,7 +269,6 @@ def main(argv=None) -> dict:
         n_tokens[length] = len(prompt)
         cells[(length, "spotlight")], speed[length] = ask_all(
             spot, prompt, "spotlight", f"{length:,}", SPEED_AT if length == max(lengths) else None)
-        speed[length]["window"] = window
         if "sinks+window" in methods:
             cells[(length, "sinks+window")], _ = ask_all(sink, prompt, "sinks+window", f"{length:,}")
         if "truncated" in methods:
@@ -278,7 +277,7 @@ def main(argv=None) -> dict:
         cells[(length, "dense in window")] = answers["dense in window"]
     llama = llama_prompt_speed(args.model, window)
     longest = max(lengths)
-    rows = needle_rows(lengths, n_tokens, cells, methods) + speed_rows(lengths, speed) + \
+    rows = needle_rows(lengths, n_tokens, cells, methods) + speed_rows(lengths, speed, window) + \
         llama_rows(n_tokens[longest], speed[longest], llama)
     targets = needle_targets(lengths, cells) + speed_targets(longest, speed[longest]) + \
         llama_targets(longest, speed[longest], llama)
@@ -324,7 +323,7 @@ def needle_rows(lengths, n_tokens, cells, methods=METHODS) -> list[dict]:
     return summary + detail
 
 
-def speed_rows(lengths, speed) -> list[dict]:
+def speed_rows(lengths, speed, window: int) -> list[dict]:
     longest = max(lengths)
     s = speed[longest]
     rss = peak_rss_mb()
@@ -335,7 +334,7 @@ def speed_rows(lengths, speed) -> list[dict]:
          f"at {longest:,}": s.get("decode_long"), "ratio": _ratio(s, "decode")},
         {"part": "speed (Spotlight, one context)", "measure": "peak RSS MB (whole run)", "at 8K": None,
          f"at {longest:,}": rss, "ratio": None},
-    ] + [{"part": f"prefill tokens/s by position (the same context; past {s.get('window', 0):,} tokens: past the window)",
+    ] + [{"part": f"prefill tokens/s by position (the same context; past {window:,} tokens: past the window)",
           "tokens": f"{a:,}-{b:,}", "tokens/s": tps} for a, b, tps in s.get("slices", [])]
 
 

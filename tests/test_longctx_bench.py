@@ -111,3 +111,14 @@ def test_a_failing_llama_bench_leaves_the_run_its_rows(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert (done.returncode, done.stdout.strip().splitlines()[-1]) == (0, "measured: None")
     assert "llama.cpp's prompt processing was not measured" in done.stdout + done.stderr
+
+
+def test_llama_cpp_refuses_a_model_without_a_gguf_by_name(tmp_path):
+    import pytest
+
+    from bench.decode import LlamaCppRunner
+    from tiny_models import write_tiny_hf_dir
+
+    model = write_tiny_hf_dir(tmp_path / "tiny-hf")
+    with pytest.raises(ValueError, match="has no GGUF file: llama.cpp reads GGUF only"):
+        LlamaCppRunner(64, str(model))
