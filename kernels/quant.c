@@ -282,19 +282,64 @@ static float row_q6_k_simd(const uint8_t *rb, int64_t nb, const float *x) {
 
    The same products with x first rounded to int16: x is cut into runs of 32 (one per legacy
    block, eight per k-quant block, aligned with their 32-value sub-blocks), each run stored as
-   int16 q with one fp32 scale xd = max|x| / 32767 and the sum of its q. Each 32-value run of a
+   int16 q with one fp32 scale xd = max|x| / 32639 and the sum of its q. Each 32-value run of a
    row is then one exact integer dot product of the weight's integer codes with q, scaled once in
    fp32 by the block's (and sub-block's) scales times xd. The weights are read as stored; only
-   the activations are rounded, to 1 part in 65,534 of their run's range (llama.cpp rounds them
+   the activations are rounded, to 1 part in 65,278 of their run's range (llama.cpp rounds them
    to int8, 1 in 254: measured 0.7 % of perplexity on SmolLM2 against ~0 here, docs/DECISIONS.md).
-   AVX2 turns 32 codes times 32 activations into 8 int32 sums with two madd instructions, where
-   the fp32 kernels above spend about eight instructions per 8 weights.
+   AVX2 turns 32 codes times 32 activations into 8 int32 sums with two madd instructions (signed
+   codes) or two maddubs and two madd over the byte planes (unsigned codes, x16 below), where the
+   fp32 kernels above spend about eight instructions per 8 weights. Where the compiler targets
+   AVX-512 VNNI (-march=native on such a CPU), two vpdpbusd do the planes' work, and with VBMI a
+   Q5_0 block's nibbles and fifth bits unpack in three instructions instead of nine: together
+   1.3-1.6x faster Q5_0 / Q4_K / Q6_K rows on one thread (docs/DECISIONS.md). The AVX2 paths
+   stay, and tests build them on AVX-512 machines too (tests/test_quant.py, avx2_library).
 
-   The integer sums are exact (|code| <= 128, |q| <= 32767: a madd pair stays below 2^23), so the
+   The integer sums are exact (|code| <= 128, |q| <= 32639: a madd pair stays below 2^23; a
+   maddubs pair of codes <= 63 and bytes >= -128 stays within int16), so the
    SIMD and scalar paths differ only in the order of the fp32 additions of the per-run terms. */
 
-/* x (n,) fp32, n a multiple of 32 -> q (n,) int16, d (n/32,) fp32 scales, s (n/32,) int32 sums of q. */
-static void quantize_x(const float *x, int64_t n, int16_t *q, float *d, int32_t *s) {
+/* The largest |q|: 127 * 256 + 127, so that every q splits into two signed bytes (below). */
+enum { X16_MAX = 32639 };
+
+/* x as the int16 kernels read it, for n values: q (n,) int16 codes; planes (2n,) the same codes
+   as two signed bytes per value, q = 256 * high + low (low the signed low byte), stored per run
+   of 32 as its 32 low bytes then its 32 high bytes; d (n/32,) fp32 scales; sum (n/32,) and
+   sum4 (n/4,) int32 sums of q over each run of 32 and of 4. The AVX2 kernels of formats with
+   unsigned codes (Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) multiply the codes by both byte planes with
+   maddubs (unsigned x signed bytes, 32 products an instruction) and take a stored offset out of
+   each int32 lane with sum4; Q8_0's signed codes use q. Both give the same exact integer sums. */
+typedef struct {
+    const int16_t *q;
+    const int8_t *planes;
+    const float *d;
+    const int32_t *sum, *sum4;
+} x16;
+
+/* Bytes of the scratch for n values, and where each part of x16 lies in it. */
+static int64_t x16_bytes(int64_t n) {
+    return (int64_t)(sizeof(int16_t) + 2) * n + (int64_t)(sizeof(float) + sizeof(int32_t)) * (n / QK)
+           + (int64_t)sizeof(int32_t) * (n / 4);
+}
+
+static x16 x16_in(uint8_t *scratch, int64_t n) {
+    x16 x;
+    x.q = (const int16_t *)scratch;
+    x.planes = (const int8_t *)(scratch + sizeof(int16_t) * n);
+    x.d = (const float *)(scratch + 4 * n);
+    x.sum = (const int32_t *)(x.d + n / QK);
+    x.sum4 = x.sum + n / QK;
+    return x;
+}
+
+/* x (n,) fp32, n a multiple of 32 -> the x16 in `scratch` (x16_bytes(n), 4-byte aligned): each
+   run of 32 rounded to int16 codes of one fp32 scale max|x| / X16_MAX. */
+static void quantize_x(const float *x, int64_t n, uint8_t *scratch) {
+    x16 v = x16_in(scratch, n);
+    int16_t *q = (int16_t *)v.q;
+    int8_t *planes = (int8_t *)v.planes;
+    float *d = (float *)v.d;
+    int32_t *s = (int32_t *)v.sum, *s4 = (int32_t *)v.sum4;
     for (int64_t c = 0; c < n / QK; c++) {
         const float *xc = x + QK * c;
         float amax = 0.0f;
@@ -302,23 +347,31 @@ static void quantize_x(const float *x, int64_t n, int16_t *q, float *d, int32_t 
             float a = xc[i] < 0 ? -xc[i] : xc[i];
             amax = a > amax ? a : amax;
         }
-        float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        int32_t sum = 0;
+        float id = amax > 0.0f ? (float)X16_MAX / amax : 0.0f;
+        int32_t sum[QK / 4] = {0};
         for (int i = 0; i < QK; i++) {
             int v = (int)nearbyintf(xc[i] * id);
-            v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
+            v = v > X16_MAX ? X16_MAX : (v < -X16_MAX ? -X16_MAX : v);
+            int low = (int)(int8_t)(uint8_t)(v & 255);
             q[QK * c + i] = (int16_t)v;
-            sum += v;
+            planes[2 * QK * c + i] = (int8_t)low;
+            planes[2 * QK * c + QK + i] = (int8_t)((v - low) / 256);
+            sum[i / 4] += v;
         }
-        d[c] = amax / 32767.0f;
-        s[c] = sum;
+        d[c] = amax / (float)X16_MAX;
+        s[c] = 0;
+        for (int j = 0; j < QK / 4; j++) {
+            s4[QK / 4 * c + j] = sum[j];
+            s[c] += sum[j];
+        }
     }
 }
 
-typedef float (*row_x16_fn)(const uint8_t *, int64_t, const int16_t *, const float *, const int32_t *);
+typedef float (*row_x16_fn)(const uint8_t *, int64_t, const x16 *);
 
-static float rowx_q8_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    (void)xs;
+static float rowx_q8_0_scalar(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int16_t *xq = x->q;
+    const float *xd = x->d;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, rb += 34, xq += QK) {
         int32_t isum = 0;
@@ -328,8 +381,9 @@ static float rowx_q8_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, 
     return acc;
 }
 
-static float rowx_q4_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    (void)xs;
+static float rowx_q4_0_scalar(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int16_t *xq = x->q;
+    const float *xd = x->d;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, rb += 18, xq += QK) {
         int32_t isum = 0;
@@ -340,7 +394,10 @@ static float rowx_q4_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, 
     return acc;
 }
 
-static float rowx_q4_1_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+static float rowx_q4_1_scalar(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int16_t *xq = x->q;
+    const float *xd = x->d;
+    const int32_t *xs = x->sum;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, rb += 20, xq += QK) {
         int32_t isum = 0;
@@ -350,8 +407,9 @@ static float rowx_q4_1_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, 
     return acc;
 }
 
-static float rowx_q5_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    (void)xs;
+static float rowx_q5_0_scalar(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int16_t *xq = x->q;
+    const float *xd = x->d;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, rb += 22, xq += QK) {
         uint32_t qh = (uint32_t)rb[2] | ((uint32_t)rb[3] << 8) | ((uint32_t)rb[4] << 16) | ((uint32_t)rb[5] << 24);
@@ -366,7 +424,10 @@ static float rowx_q5_0_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, 
     return acc;
 }
 
-static float rowx_q4_k_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+static float rowx_q4_k_scalar(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int16_t *xq = x->q;
+    const float *xd = x->d;
+    const int32_t *xs = x->sum;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, rb += 144) {
         float d = half_to_float(rb), dmin = half_to_float(rb + 2);
@@ -385,8 +446,9 @@ static float rowx_q4_k_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, 
     return acc;
 }
 
-static float rowx_q6_k_scalar(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    (void)xs;
+static float rowx_q6_k_scalar(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int16_t *xq = x->q;
+    const float *xd = x->d;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, rb += 210) {
         float d = half_to_float(rb + 208);
@@ -441,91 +503,152 @@ static inline __m256i bits_to_bytes(uint32_t bits) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 
-static float rowx_q8_0_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    (void)xs;
+static float rowx_q8_0_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int16_t *xq = x->q;
+    const float *xd = x->d;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, rb += 34, xq += QK)
         acc = _mm256_fmadd_ps(dot32(load32(rb + 2), xq), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
     return hsum(acc);
 }
 
-static float rowx_q4_0_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    (void)xs;
-    const __m256i eight = _mm256_set1_epi8(8);
+/* 32 unsigned codes w (each <= 63) times the run of x at `planes` (its 32 low then 32 high
+   bytes) -> 8 int32 sums of 4 products each (lane j: values 4j .. 4j + 3). */
+static inline __m256i dot_planes(__m256i w, const int8_t *planes) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, load32(planes + QK));
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), w, load32(planes));
+#else
+    const __m256i ones = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
+    __m256i low = _mm256_maddubs_epi16(w, load32(planes)), high = _mm256_maddubs_epi16(w, load32(planes + QK));
+    return _mm256_add_epi32(_mm256_madd_epi16(high, c256), _mm256_madd_epi16(low, ones));
+#endif
+}
+
+/* The same for codes stored as code + 2^shift: lane j less 2^shift * sum4[j], as floats. */
+static inline __m256 dot32_offset(__m256i w, const int8_t *planes, const int32_t *sum4, int shift) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, load32(planes + QK));
+    __m256i start = _mm256_sub_epi32(_mm256_slli_epi32(high, 8), _mm256_slli_epi32(load32(sum4), shift));
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, w, load32(planes)));
+#else
+    __m256i offset = _mm256_slli_epi32(load32(sum4), shift);
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(dot_planes(w, planes), offset));
+#endif
+}
+
+static float rowx_q4_0_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int8_t *xp = x->planes;
+    const float *xd = x->d;
+    const int32_t *s4 = x->sum4;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, rb += 18, xq += QK) {
-        __m256i w = _mm256_sub_epi8(nibbles_32(rb + 2), eight);
-        acc = _mm256_fmadd_ps(dot32(w, xq), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
-    }
+    for (int64_t b = 0; b < nb; b++, rb += 18, xp += 2 * QK, s4 += QK / 4)
+        acc = _mm256_fmadd_ps(dot32_offset(nibbles_32(rb + 2), xp, s4, 3), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
     return hsum(acc);
 }
 
-static float rowx_q4_1_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
+static float rowx_q4_1_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int8_t *xp = x->planes;
+    const float *xd = x->d;
+    const int32_t *xs = x->sum;
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
-    for (int64_t b = 0; b < nb; b++, rb += 20, xq += QK) {
-        acc = _mm256_fmadd_ps(dot32(nibbles_32(rb + 4), xq), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
+    for (int64_t b = 0; b < nb; b++, rb += 20, xp += 2 * QK) {
+        __m256 dot = _mm256_cvtepi32_ps(dot_planes(nibbles_32(rb + 4), xp));
+        acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
         mins += half_to_float(rb + 2) * xd[b] * (float)xs[b];
     }
     return hsum(acc) + mins;
 }
 
-static float rowx_q5_0_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    (void)xs;
+static float rowx_q5_0_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int8_t *xp = x->planes;
+    const float *xd = x->d;
+    const int32_t *s4 = x->sum4;
     const __m256i sixteen = _mm256_set1_epi8(16);
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, rb += 22, xq += QK) {
+#if defined(__AVX512VBMI__) && defined(__AVX512VL__)
+    const __m256i shifts = _mm256_setr_epi8(0, 8, 16, 24, 32, 40, 48, 56, 0, 8, 16, 24, 32, 40, 48, 56,
+                                            4, 12, 20, 28, 36, 44, 52, 60, 4, 12, 20, 28, 36, 44, 52, 60);
+    const __m256i low4 = _mm256_set1_epi8(15);
+#endif
+    for (int64_t b = 0; b < nb; b++, rb += 22, xp += 2 * QK, s4 += QK / 4) {
         uint32_t bits;
         memcpy(&bits, rb + 2, sizeof bits);  /* little-endian, as x86 is */
+#if defined(__AVX512VBMI__) && defined(__AVX512VL__)
+        __m256i nib = _mm256_and_si256(_mm256_multishift_epi64_epi8(shifts, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(rb + 6)))), low4);
+        __m256i w = _mm256_mask_add_epi8(nib, (__mmask32)bits, nib, sixteen);
+#else
         __m256i w = _mm256_or_si256(nibbles_32(rb + 6), _mm256_and_si256(bits_to_bytes(bits), sixteen));
-        acc = _mm256_fmadd_ps(dot32(_mm256_sub_epi8(w, sixteen), xq), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
+#endif
+        acc = _mm256_fmadd_ps(dot32_offset(w, xp, s4, 4), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
     }
     return hsum(acc);
 }
 
-static float rowx_q4_k_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    const __m256i low4 = _mm256_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
-    for (int64_t b = 0; b < nb; b++, rb += 144, xq += QK_K, xd += 8, xs += 8) {
-        float d = half_to_float(rb), dmin = half_to_float(rb + 2);
-        for (int j = 0; j < 8; j += 2) {  /* 32 bytes: sub-block j in the low nibbles, j + 1 in the high */
-            int sc0, mn0, sc1, mn1;
-            scale_min_k4(rb + 4, j, &sc0, &mn0);
-            scale_min_k4(rb + 4, j + 1, &sc1, &mn1);
-            __m256i q = load32(rb + 16 + 16 * j);
-            acc = _mm256_fmadd_ps(dot32(_mm256_and_si256(q, low4), xq + QK * j),
-                                  _mm256_set1_ps(d * (float)sc0 * xd[j]), acc);
-            acc = _mm256_fmadd_ps(dot32(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), xq + QK * (j + 1)),
-                                  _mm256_set1_ps(d * (float)sc1 * xd[j + 1]), acc);
-            mins += dmin * (float)mn0 * xd[j] * (float)xs[j] + dmin * (float)mn1 * xd[j + 1] * (float)xs[j + 1];
-        }
-    }
-    return hsum(acc) - mins;
+/* Q4_K's 12 bytes of 6-bit scales and mins (scale_min_k4's packing) -> 8 scale bytes then 8 min bytes. */
+static inline void unpack_scales_k4(const uint8_t *packed, uint8_t out[16]) {
+    uint32_t s[3], u[4];
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    memcpy(s, packed, sizeof s);
+    u[0] = s[0] & six;                                   /* scales 0-3: low 6 bits of bytes 0-3 */
+    u[1] = (s[2] & four) | (((s[0] >> 6) & two) << 4);   /* scales 4-7: bytes 8-11's low nibbles + bytes 0-3's top bits */
+    u[2] = s[1] & six;                                   /* mins 0-3: low 6 bits of bytes 4-7 */
+    u[3] = ((s[2] >> 4) & four) | (((s[1] >> 6) & two) << 4);  /* mins 4-7: high nibbles + bytes 4-7's top bits */
+    memcpy(out, u, sizeof u);
 }
 
-static float rowx_q6_k_simd(const uint8_t *rb, int64_t nb, const int16_t *xq, const float *xd, const int32_t *xs) {
-    (void)xs;
-    const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+static float rowx_q4_k_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int8_t *xp = x->planes;
+    const float *xd = x->d;
+    const int32_t *xs = x->sum;
+    const __m256i low4 = _mm256_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, rb += 210, xq += QK_K, xd += 8) {
+    for (int64_t b = 0; b < nb; b++, rb += 144, xp += 2 * QK_K, xd += 8, xs += 8) {
+        uint8_t sm[16];
+        unpack_scales_k4(rb + 4, sm);
+        __m256 xd8 = _mm256_loadu_ps(xd);
+        __m256 scale = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(rb)), u8x8(_mm_loadl_epi64((const __m128i *)sm))), xd8);
+        __m256 minimum = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(rb + 2)), u8x8(_mm_loadl_epi64((const __m128i *)(sm + 8)))), xd8);
+        acc = _mm256_fnmadd_ps(minimum, _mm256_cvtepi32_ps(load32(xs)), acc);
+        for (int j = 0; j < 8; j += 2) {  /* 32 bytes: sub-block j in the low nibbles, j + 1 in the high */
+            __m256i q = load32(rb + 16 + 16 * j);
+            __m256 dot0 = _mm256_cvtepi32_ps(dot_planes(_mm256_and_si256(q, low4), xp + 2 * QK * j));
+            __m256 dot1 = _mm256_cvtepi32_ps(dot_planes(_mm256_and_si256(_mm256_srli_epi16(q, 4), low4), xp + 2 * QK * (j + 1)));
+            acc = _mm256_fmadd_ps(dot0, _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(j)), acc);
+            acc = _mm256_fmadd_ps(dot1, _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(j + 1)), acc);
+        }
+    }
+    return hsum(acc);
+}
+
+/* Q6_K: codes stored as code + 32, one scale per 16 values: a run's two halves (lanes 0-3 and
+   4-7 of dot_planes) get their scales in one vector. */
+static float rowx_q6_k_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
+    const int8_t *xp = x->planes;
+    const float *xd = x->d;
+    const int32_t *s4 = x->sum4;
+    const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, rb += 210, xp += 2 * QK_K, xd += 8, s4 += QK_K / 4) {
         float d = half_to_float(rb + 208);
         const int8_t *scales = (const int8_t *)(rb + 192);
         for (int n = 0; n < 2; n++) {  /* half n: runs 4n .. 4n + 3 */
             __m256i l0 = load32(rb + 64 * n), l1 = load32(rb + 64 * n + 32), h = load32(rb + 128 + 32 * n);
-            __m256i q[4] = {  /* the 6-bit codes of the half's four runs of 32 */
+            __m256i q[4] = {  /* the stored 6-bit codes of the half's four runs of 32 */
                 _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), bits45)),
                 _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(h, bits45)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                 _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45))};
+            /* d * the half's 8 scales (2 per run), as floats */
+            __m256 half_scales = _mm256_mul_ps(_mm256_set1_ps(d), i8x8(_mm_loadl_epi64((const __m128i *)(scales + 8 * n))));
             for (int which = 0; which < 4; which++) {
                 int k = 4 * n + which;
-                __m256i lo, hi;  /* values 0-15 have scale 2k, 16-31 scale 2k + 1 */
-                dot_w16(_mm256_sub_epi8(q[which], off), xq + QK * k, &lo, &hi);
-                float f = d * xd[k];
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(f * (float)scales[2 * k]), acc);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(f * (float)scales[2 * k + 1]), acc);
+                const __m256i pick = _mm256_setr_epi32(2 * which, 2 * which, 2 * which, 2 * which,
+                                                       2 * which + 1, 2 * which + 1, 2 * which + 1, 2 * which + 1);
+                __m256 f = _mm256_mul_ps(_mm256_permutevar8x32_ps(half_scales, pick), _mm256_set1_ps(xd[k]));
+                acc = _mm256_fmadd_ps(dot32_offset(q[which], xp + 2 * QK * k, s4 + QK / 4 * k, 5), f, acc);
             }
         }
     }
@@ -563,10 +686,8 @@ static row_x16_fn row_kernel_x16(int kind, int scalar) {
 /* 1 when `kind` has an int16-activation kernel (scalar or SIMD) in this library. */
 int quant_x16_supports(int kind) { return row_kernel_x16(kind, 1) != 0; }
 
-/* Bytes of the scratch quant_matvec_x16 needs for `cols` activations: q, then scales, then sums. */
-int64_t quant_x16_scratch_bytes(int64_t cols) {
-    return (int64_t)sizeof(int16_t) * cols + (int64_t)(sizeof(float) + sizeof(int32_t)) * (cols / QK);
-}
+/* Bytes of the scratch quant_matvec_x16 needs for `cols` activations (x16_bytes). */
+int64_t quant_x16_scratch_bytes(int64_t cols) { return x16_bytes(cols); }
 
 typedef float (*row_fn)(const uint8_t *, int64_t, const float *);
 
@@ -696,10 +817,8 @@ static int parts_matvec(const quant_part *parts, int n_parts, int64_t cols, cons
         any_x16 |= parts[i].x16;
         offset[i + 1] = offset[i] + parts[i].rows;
     }
-    int16_t *xq = (int16_t *)scratch;
-    float *xd = (float *)(xq + cols);
-    int32_t *xs = (int32_t *)(xd + cols / QK);
-    if (any_x16) quantize_x(x, cols, xq, xd, xs);
+    x16 xv = x16_in(scratch, cols);
+    if (any_x16) quantize_x(x, cols, scratch);
     int64_t total = offset[n_parts];
 #ifdef _OPENMP
     if (threads > total) threads = (int)total;
@@ -717,7 +836,7 @@ static int parts_matvec(const quant_part *parts, int n_parts, int64_t cols, cons
             int64_t lo = start > offset[i] ? start : offset[i], hi = end < offset[i + 1] ? end : offset[i + 1];
             for (int64_t r = lo; r < hi; r++) {
                 const uint8_t *rb = p->blocks + (r - offset[i]) * p->row_bytes;
-                float v = p->x16 ? x16_rows[i](rb, p->blocks_per_row, xq, xd, xs)
+                float v = p->x16 ? x16_rows[i](rb, p->blocks_per_row, &xv)
                                  : fp32_rows[i](rb, p->blocks_per_row, x);
                 out[r] = p->bias ? v + p->bias[r - offset[i]] : v;
             }

@@ -283,15 +283,18 @@ INT16_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")  # formats with
 needs_simd = pytest.mark.skipif(not quant.C_SIMD, reason="the int16 kernels run where _quant.so has AVX2")
 
 
+INT16_MAX_CODE = 127 * 256 + 127  # quant.c's X16_MAX: every code splits into two signed bytes
+
+
 def rounded_to_int16(x: np.ndarray) -> np.ndarray:
     """x (E,) as the int16 kernels see it, in float64: each run of 32 rounded to int16 codes of one
-    fp32 scale max|x| / 32767 (numpy's rint is round-half-even, as nearbyintf in C)."""
+    fp32 scale max|x| / 32639 (numpy's rint is round-half-even, as nearbyintf in C)."""
     runs = x.reshape(-1, QK_RUN).astype(np.float32)  # (E / 32, 32)
     amax = np.abs(runs).max(axis=1, keepdims=True)  # (E / 32, 1)
     with np.errstate(divide="ignore"):
-        inverse = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
-    codes = np.clip(np.rint(runs * inverse), -32767, 32767)
-    return (codes * (amax / np.float32(32767)).astype(np.float32).astype(np.float64)).reshape(-1)
+        inverse = np.where(amax > 0, np.float32(INT16_MAX_CODE) / amax, np.float32(0)).astype(np.float32)
+    codes = np.clip(np.rint(runs * inverse), -INT16_MAX_CODE, INT16_MAX_CODE)
+    return (codes * (amax / np.float32(INT16_MAX_CODE)).astype(np.float32).astype(np.float64)).reshape(-1)
 
 
 QK_RUN = 32  # values per run of x that share one int16 scale (quant.c's QK)
@@ -299,11 +302,11 @@ QK_RUN = 32  # values per run of x that share one int16 scale (quant.c's QK)
 
 def assert_within_rounding(got: np.ndarray, weights: np.ndarray, x: np.ndarray) -> None:
     """|got - W x| per row at most what rounding x can move it: each value moves by at most half a
-    code, max|x| of its run / 65,534, so row r by at most sum_c |W[r, c]| * that; plus the fp32
+    code, max|x| of its run / (2 * 32639), so row r by at most sum_c |W[r, c]| * that; plus the fp32
     sums' TOLERANCE of the whole product."""
     wide = weights.astype(np.float64)  # (F, E)
     want = wide @ x.astype(np.float64)  # (F,)
-    half_code = np.repeat(np.abs(x.reshape(-1, QK_RUN)).max(axis=1), QK_RUN).astype(np.float64) / 65534  # (E,)
+    half_code = np.repeat(np.abs(x.reshape(-1, QK_RUN)).max(axis=1), QK_RUN).astype(np.float64) / (2 * INT16_MAX_CODE)  # (E,)
     bound = np.abs(wide) @ half_code + TOLERANCE * np.linalg.norm(want)  # (F,)
     excess = np.abs(got.astype(np.float64) - want) - bound
     assert excess.max() <= 0, (excess.max(), bound[excess.argmax()])
@@ -352,7 +355,11 @@ def test_int16_one_and_two_threads_give_the_same_bits(qtype, rows, two_threads):
     kernels.set_threads(1)
     one = bound(x, np.empty(qm.rows, np.float32))
     np.testing.assert_array_equal(one.view(np.uint32), two.view(np.uint32))
-    assert relative_error(one, reference_weights(qm).astype(np.float64) @ rounded_to_int16(x) + bias) <= TOLERANCE
+    # x is not chosen well-conditioned here (one row can cancel to 1/1000 of its terms): fp32 sums
+    # are held to TOLERANCE of the sum of the terms' magnitudes, row by row
+    weights, rounded = reference_weights(qm).astype(np.float64), rounded_to_int16(x)  # (F, E), (E,)
+    magnitude = np.abs(weights) @ np.abs(rounded) + np.abs(bias)  # (F,)
+    assert (np.abs(one - (weights @ rounded + bias)) / magnitude).max() <= TOLERANCE
 
 
 @needs_simd
@@ -393,6 +400,41 @@ def raw_matvec(lib, qm: QuantMatrix, x: np.ndarray) -> np.ndarray:
     assert lib.quant_matvec(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, 0, qm.rows,
                             x.ctypes.data, None, out.ctypes.data, 0) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """quant.c built for AVX2 + FMA + F16C only: where this machine has AVX-512 (VNNI, VBMI), the
+    shipped build's int16 kernels take those paths, and this build checks the AVX2 ones."""
+    import shutil
+    import subprocess
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc)")
+    if not quant.C_SIMD:
+        pytest.skip("this machine's build has no AVX2")
+    path = tmp_path_factory.mktemp("avx2") / "_quant_avx2.so"
+    source = Path(quant.__file__).with_name("quant.c")
+    subprocess.run(["cc", "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(path),
+                    str(source)], check=True)
+    lib, missing = quant._load_library(path)
+    assert lib is not None, missing
+    assert lib.quant_simd() == 1
+    return lib
+
+
+@pytest.mark.parametrize("qtype", INT16_FORMATS)
+def test_avx2_build_int16_kernels_match_the_rounded_product(avx2_library, qtype):
+    qm = random_matrix(qtype, 37, 5, seed=11)
+    weights = reference_weights(qm)
+    x, _ = activations(weights, seed=11)  # (E,)
+    fmt, out = qm.format, np.empty(qm.rows, np.float32)  # (F,)
+    scratch = np.empty(avx2_library.quant_x16_scratch_bytes(qm.cols), np.uint8)
+    assert avx2_library.quant_matvec_x16(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values,
+                                         0, qm.rows, x.ctypes.data, scratch.ctypes.data, None, out.ctypes.data,
+                                         0, 1) == 0
+    rounded = weights.astype(np.float64) @ rounded_to_int16(x)  # (F,)
+    assert relative_error(out, rounded) <= TOLERANCE, relative_error(out, rounded)
 
 
 @pytest.mark.parametrize("qtype", C_FORMATS)
