@@ -333,7 +333,8 @@ static x16 x16_in(uint8_t *scratch, int64_t n) {
 }
 
 /* x (n,) fp32, n a multiple of 32 -> the x16 in `scratch` (x16_bytes(n), 4-byte aligned): each
-   run of 32 rounded to int16 codes of one fp32 scale max|x| / X16_MAX. */
+   run of 32 rounded to int16 codes of one fp32 scale max|x| / X16_MAX. The AVX2 path gives the
+   same bits (the same scale; cvtps rounds half to even as nearbyintf does in the default mode). */
 static void quantize_x(const float *x, int64_t n, uint8_t *scratch) {
     x16 v = x16_in(scratch, n);
     int16_t *q = (int16_t *)v.q;
@@ -342,6 +343,42 @@ static void quantize_x(const float *x, int64_t n, uint8_t *scratch) {
     int32_t *s = (int32_t *)v.sum, *s4 = (int32_t *)v.sum4;
     for (int64_t c = 0; c < n / QK; c++) {
         const float *xc = x + QK * c;
+#if QUANT_SIMD
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 xs[4], top = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            xs[i] = _mm256_loadu_ps(xc + 8 * i);
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, xs[i]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        float id = amax > 0.0f ? (float)X16_MAX / amax : 0.0f;
+        const __m256i hi = _mm256_set1_epi32(X16_MAX), lo = _mm256_set1_epi32(-X16_MAX);
+        __m256i codes[4], low[4], high[4];
+        for (int i = 0; i < 4; i++) {
+            codes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(xs[i], _mm256_set1_ps(id)));
+            codes[i] = _mm256_max_epi32(_mm256_min_epi32(codes[i], hi), lo);
+            low[i] = _mm256_srai_epi32(_mm256_slli_epi32(codes[i], 24), 24);  /* the signed low byte */
+            high[i] = _mm256_srai_epi32(_mm256_sub_epi32(codes[i], low[i]), 8);
+        }
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        /* packs work within 128-bit lanes: the permutes put the values back in order */
+        __m256i q01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[0], codes[1]), 0xD8);
+        __m256i q23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[2], codes[3]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(q + QK * c), q01);
+        _mm256_storeu_si256((__m256i *)(q + QK * c + 16), q23);
+        __m256i l8 = _mm256_packs_epi16(_mm256_packs_epi32(low[0], low[1]), _mm256_packs_epi32(low[2], low[3]));
+        __m256i h8 = _mm256_packs_epi16(_mm256_packs_epi32(high[0], high[1]), _mm256_packs_epi32(high[2], high[3]));
+        _mm256_storeu_si256((__m256i *)(planes + 2 * QK * c), _mm256_permutevar8x32_epi32(l8, order));
+        _mm256_storeu_si256((__m256i *)(planes + 2 * QK * c + QK), _mm256_permutevar8x32_epi32(h8, order));
+        __m256i fours = _mm256_hadd_epi32(_mm256_hadd_epi32(codes[0], codes[1]), _mm256_hadd_epi32(codes[2], codes[3]));
+        fours = _mm256_permutevar8x32_epi32(fours, order);  /* lane j: the sum of values 4j .. 4j + 3 */
+        _mm256_storeu_si256((__m256i *)(s4 + QK / 4 * c), fours);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(fours), _mm256_extracti128_si256(fours, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        s[c] = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+#else
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) {
             float a = xc[i] < 0 ? -xc[i] : xc[i];
@@ -358,12 +395,13 @@ static void quantize_x(const float *x, int64_t n, uint8_t *scratch) {
             planes[2 * QK * c + QK + i] = (int8_t)((v - low) / 256);
             sum[i / 4] += v;
         }
-        d[c] = amax / (float)X16_MAX;
         s[c] = 0;
         for (int j = 0; j < QK / 4; j++) {
             s4[QK / 4 * c + j] = sum[j];
             s[c] += sum[j];
         }
+#endif
+        d[c] = amax / (float)X16_MAX;
     }
 }
 

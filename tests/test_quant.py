@@ -423,16 +423,18 @@ def avx2_library(tmp_path_factory):
     return lib
 
 
+@pytest.mark.parametrize("build", ("avx2_library", "scalar_library"))
 @pytest.mark.parametrize("qtype", INT16_FORMATS)
-def test_avx2_build_int16_kernels_match_the_rounded_product(avx2_library, qtype):
+def test_other_builds_int16_kernels_match_the_rounded_product(build, qtype, request):
+    """The AVX2-only and the scalar build (x rounded without SIMD too) against the same reference."""
+    library = request.getfixturevalue(build)
     qm = random_matrix(qtype, 37, 5, seed=11)
     weights = reference_weights(qm)
     x, _ = activations(weights, seed=11)  # (E,)
     fmt, out = qm.format, np.empty(qm.rows, np.float32)  # (F,)
-    scratch = np.empty(avx2_library.quant_x16_scratch_bytes(qm.cols), np.uint8)
-    assert avx2_library.quant_matvec_x16(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values,
-                                         0, qm.rows, x.ctypes.data, scratch.ctypes.data, None, out.ctypes.data,
-                                         0, 1) == 0
+    scratch = np.empty(library.quant_x16_scratch_bytes(qm.cols), np.uint8)
+    assert library.quant_matvec_x16(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values,
+                                    0, qm.rows, x.ctypes.data, scratch.ctypes.data, None, out.ctypes.data, 0, 1) == 0
     rounded = weights.astype(np.float64) @ rounded_to_int16(x)  # (F,)
     assert relative_error(out, rounded) <= TOLERANCE, relative_error(out, rounded)
 
