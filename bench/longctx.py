@@ -385,12 +385,16 @@ def _ratio(s: dict, what: str) -> float:
 
 
 def needle_targets(lengths, cells) -> list[Target]:
+    """Per length: of the needles dense attention finds within the window, the share Spotlight finds
+    (issue #21: "at least 95 % of the needles that the same model finds with dense attention"; a
+    needle only Spotlight finds does not make up for one it misses)."""
     out = []
-    reference = sum(r["found"] for r in cells[(lengths[0], "dense in window")])
     for length in lengths:
-        mine = sum(r["found"] for r in cells[(length, "spotlight")])
+        dense = cells[(length, "dense in window")]
+        reference = sum(d["found"] for d in dense)
+        mine = sum(r["found"] and d["found"] for r, d in zip(cells[(length, "spotlight")], dense))
         share = mine / reference if reference else float("nan")
-        out.append(Target(f"needles found at {length:,} / found by dense within the window ({mine} / {reference})",
+        out.append(Target(f"needles dense finds within the window, found at {length:,} ({mine} of {reference})",
                           share, 0.95))
     return out
 

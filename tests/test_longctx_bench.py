@@ -1,5 +1,5 @@
 """bench/longctx.py's needle planting and scoring, on strings (no model)."""
-from bench.longctx import NEEDLES, found, needle_rows, plant
+from bench.longctx import NEEDLES, found, needle_rows, needle_targets, plant
 
 
 def sentence_start(text, at):
@@ -122,3 +122,15 @@ def test_llama_cpp_refuses_a_model_without_a_gguf_by_name(tmp_path):
     model = write_tiny_hf_dir(tmp_path / "tiny-hf")
     with pytest.raises(ValueError, match="has no GGUF file: llama.cpp reads GGUF only"):
         LlamaCppRunner(64, str(model))
+
+
+def test_needle_target_counts_only_the_needles_dense_finds():
+    """Spotlight finding a needle dense misses does not make up for one dense finds and it misses."""
+    def cell(hits):
+        return [{"found": hit, "logprob": -1.0} for hit in hits]
+
+    cells = {(65536, "dense in window"): cell([True, True, False, True] + [False] * 6),
+             (65536, "spotlight"): cell([True, False, True, True] + [False] * 6)}
+    (target,) = needle_targets([65536], cells)
+    assert (target.name, target.value, target.target) == (
+        "needles dense finds within the window, found at 65,536 (2 of 3)", 2 / 3, 0.95)

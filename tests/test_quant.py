@@ -402,31 +402,59 @@ def raw_matvec(lib, qm: QuantMatrix, x: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory):
-    """quant.c built for AVX2 + FMA + F16C only: where this machine has AVX-512 (VNNI, VBMI), the
-    shipped build's int16 kernels take those paths, and this build checks the AVX2 ones."""
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def build_library(tmp_path_factory, name: str, flags: list[str], needs: set[str]):
+    """quant.c built with `flags` into a library of its own, skipped where `cc` or one of the CPU
+    features `needs` (Linux's names) is missing."""
     import shutil
     import subprocess
 
     if shutil.which("cc") is None:
         pytest.skip("no C compiler (cc)")
-    if not quant.C_SIMD:
-        pytest.skip("this machine's build has no AVX2")
-    path = tmp_path_factory.mktemp("avx2") / "_quant_avx2.so"
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(needs - cpu_flags()))}")
+    path = tmp_path_factory.mktemp(name) / f"_quant_{name}.so"
     source = Path(quant.__file__).with_name("quant.c")
-    subprocess.run(["cc", "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(path),
-                    str(source)], check=True)
+    subprocess.run(["cc", "-O3", *flags, "-ffp-contract=off", "-shared", "-fPIC", "-o", str(path), str(source)],
+                   check=True)
     lib, missing = quant._load_library(path)
     assert lib is not None, missing
     assert lib.quant_simd() == 1
     return lib
 
 
-@pytest.mark.parametrize("build", ("avx2_library", "scalar_library"))
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """quant.c built for AVX2 + FMA + F16C only: where this machine has AVX-512 (VNNI, VBMI), the
+    shipped build's int16 kernels take those paths, and this build checks the AVX2 ones."""
+    return build_library(tmp_path_factory, "avx2", AVX2_FLAGS, {"avx2", "fma", "f16c"})
+
+
+@pytest.fixture(scope="module")
+def vnni_library(tmp_path_factory):
+    """AVX-512 VNNI without VBMI (as on Intel's Cascade Lake): the VNNI products with the AVX2
+    unpacking of Q5_0's codes."""
+    return build_library(tmp_path_factory, "vnni", AVX2_FLAGS + ["-mavx512f", "-mavx512vl", "-mavx512bw",
+                                                                  "-mavx512vnni", "-mno-avx512vbmi"],
+                         {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"})
+
+
+@pytest.mark.parametrize("build", ("avx2_library", "vnni_library", "scalar_library"))
 @pytest.mark.parametrize("qtype", INT16_FORMATS)
 def test_other_builds_int16_kernels_match_the_rounded_product(build, qtype, request):
-    """The AVX2-only and the scalar build (x rounded without SIMD too) against the same reference."""
+    """The AVX2-only, the VNNI-without-VBMI and the scalar build (x rounded without SIMD too) against
+    the same reference."""
     library = request.getfixturevalue(build)
     qm = random_matrix(qtype, 37, 5, seed=11)
     weights = reference_weights(qm)
