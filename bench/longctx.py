@@ -297,6 +297,11 @@ def main(argv=None) -> dict:
                   command="longctx" + given)
 
 
+def found_of_dense(mine: list[dict], dense: list[dict]) -> int:
+    """How many of the needles dense attention found within the window `mine` found too."""
+    return sum(r["found"] and d["found"] for r, d in zip(mine, dense))
+
+
 def needle_rows(lengths, n_tokens, cells, methods=METHODS) -> list[dict]:
     summary = []
     for length in lengths:
@@ -307,8 +312,7 @@ def needle_rows(lengths, n_tokens, cells, methods=METHODS) -> list[dict]:
                             "found": sum(r["found"] for r in mine),
                             "numbers": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "number"),
                             "phrases": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "phrase"),
-                            "of dense in window's": sum(r["found"] and d["found"]
-                                                  for r, d in zip(mine, cells[(length, "dense in window")])),
+                            "of dense in window's": found_of_dense(mine, cells[(length, "dense in window")]),
                             "mean answer log-prob": sum(r["logprob"] for r in mine) / len(mine)})
     detail = []
     for length in lengths:
@@ -392,7 +396,7 @@ def needle_targets(lengths, cells) -> list[Target]:
     for length in lengths:
         dense = cells[(length, "dense in window")]
         reference = sum(d["found"] for d in dense)
-        mine = sum(r["found"] and d["found"] for r, d in zip(cells[(length, "spotlight")], dense))
+        mine = found_of_dense(cells[(length, "spotlight")], dense)
         share = mine / reference if reference else float("nan")
         out.append(Target(f"needles dense finds within the window, found at {length:,} ({mine} of {reference})",
                           share, 0.95))

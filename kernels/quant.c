@@ -551,28 +551,25 @@ static float rowx_q8_0_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
 }
 
 /* 32 unsigned codes w (each <= 63) times the run of x at `planes` (its 32 low then 32 high
-   bytes) -> 8 int32 sums of 4 products each (lane j: values 4j .. 4j + 3). */
-static inline __m256i dot_planes(__m256i w, const int8_t *planes) {
+   bytes), less `minus` -> 8 int32 sums of 4 products each (lane j: values 4j .. 4j + 3). */
+static inline __m256i dot_planes_less(__m256i w, const int8_t *planes, __m256i minus) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, load32(planes + QK));
-    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), w, load32(planes));
+    return _mm256_dpbusd_epi32(_mm256_sub_epi32(_mm256_slli_epi32(high, 8), minus), w, load32(planes));
 #else
     const __m256i ones = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
     __m256i low = _mm256_maddubs_epi16(w, load32(planes)), high = _mm256_maddubs_epi16(w, load32(planes + QK));
-    return _mm256_add_epi32(_mm256_madd_epi16(high, c256), _mm256_madd_epi16(low, ones));
+    return _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(high, c256), _mm256_madd_epi16(low, ones)), minus);
 #endif
+}
+
+static inline __m256i dot_planes(__m256i w, const int8_t *planes) {
+    return dot_planes_less(w, planes, _mm256_setzero_si256());
 }
 
 /* The same for codes stored as code + 2^shift: lane j less 2^shift * sum4[j], as floats. */
 static inline __m256 dot32_offset(__m256i w, const int8_t *planes, const int32_t *sum4, int shift) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, load32(planes + QK));
-    __m256i start = _mm256_sub_epi32(_mm256_slli_epi32(high, 8), _mm256_slli_epi32(load32(sum4), shift));
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, w, load32(planes)));
-#else
-    __m256i offset = _mm256_slli_epi32(load32(sum4), shift);
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(dot_planes(w, planes), offset));
-#endif
+    return _mm256_cvtepi32_ps(dot_planes_less(w, planes, _mm256_slli_epi32(load32(sum4), shift)));
 }
 
 static float rowx_q4_0_simd(const uint8_t *rb, int64_t nb, const x16 *x) {

@@ -376,32 +376,6 @@ def test_int16_zero_and_extreme_runs():
     assert_within_rounding(got, reference_weights(qm), x)
 
 
-@pytest.fixture(scope="module")
-def scalar_library(tmp_path_factory):
-    """quant.c built without -march=native: no AVX2, so the scalar kernels and the hand-written
-    fp16 conversion (the SIMD build converts with F16C) are what runs."""
-    import shutil
-    import subprocess
-
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler (cc)")
-    path = tmp_path_factory.mktemp("scalar") / "_quant_scalar.so"
-    source = Path(quant.__file__).with_name("quant.c")
-    subprocess.run(["cc", "-O3", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
-    lib, missing = quant._load_library(path)
-    assert lib is not None, missing
-    assert lib.quant_simd() == 0
-    return lib
-
-
-def raw_matvec(lib, qm: QuantMatrix, x: np.ndarray) -> np.ndarray:
-    out = np.empty(qm.rows, np.float32)  # (F,)
-    fmt = qm.format
-    assert lib.quant_matvec(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, 0, qm.rows,
-                            x.ctypes.data, None, out.ctypes.data, 0) == 0
-    return out
-
-
 def cpu_flags() -> set[str]:
     """This CPU's feature flags as Linux lists them (empty elsewhere)."""
     try:
@@ -411,9 +385,9 @@ def cpu_flags() -> set[str]:
     return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
-def build_library(tmp_path_factory, name: str, flags: list[str], needs: set[str]):
-    """quant.c built with `flags` into a library of its own, skipped where `cc` or one of the CPU
-    features `needs` (Linux's names) is missing."""
+def build_library(tmp_path_factory, name: str, flags: list[str], needs: set[str], simd: bool = True):
+    """quant.c built with `flags` into a library of its own (with or without its SIMD kernels, as
+    `simd` says), skipped where `cc` or one of the CPU features `needs` (Linux's names) is missing."""
     import shutil
     import subprocess
 
@@ -427,8 +401,23 @@ def build_library(tmp_path_factory, name: str, flags: list[str], needs: set[str]
                    check=True)
     lib, missing = quant._load_library(path)
     assert lib is not None, missing
-    assert lib.quant_simd() == 1
+    assert lib.quant_simd() == int(simd)
     return lib
+
+
+@pytest.fixture(scope="module")
+def scalar_library(tmp_path_factory):
+    """quant.c built without -march=native: no AVX2, so the scalar kernels and the hand-written
+    fp16 conversion (the SIMD build converts with F16C) are what runs."""
+    return build_library(tmp_path_factory, "scalar", [], set(), simd=False)
+
+
+def raw_matvec(lib, qm: QuantMatrix, x: np.ndarray) -> np.ndarray:
+    out = np.empty(qm.rows, np.float32)  # (F,)
+    fmt = qm.format
+    assert lib.quant_matvec(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, 0, qm.rows,
+                            x.ctypes.data, None, out.ctypes.data, 0) == 0
+    return out
 
 
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
