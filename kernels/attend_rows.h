@@ -24,7 +24,8 @@
    rotated): x * cos + rotate_half(x) * sin, cos = hc * lc - hs * ls, sin = hs * lc + hc * ls for
    delta = hi * block + lo, as positions.Rotations.cos_sin and rotate compute it. Where half of D is
    a multiple of 8, each pair of halves is widened once into registers and both rotated outputs
-   written from them (no staged copy of the row first). */
+   written from them (no staged copy of the row first), with one cos and sin per pair: the tables'
+   two halves hold the same angles (positions.rope_angles), so the second half's are not re-formed. */
 static inline void STAGE_KEY(float *dst, const ROW_T *src, int64_t dim, int64_t delta, const struct remap *rot) {
     if (delta < 0) {
         for (int64_t c = 0; c < dim; c += 8) _mm256_storeu_ps(dst + c, LOAD_ROW(src + c));
@@ -41,10 +42,7 @@ static inline void STAGE_KEY(float *dst, const ROW_T *src, int64_t dim, int64_t 
             __m256 sin = _mm256_add_ps(_mm256_mul_ps(hs, lc), _mm256_mul_ps(hc, ls));
             _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_mul_ps(a, cos),
                                                     _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), b), sin)));
-            hc = _mm256_loadu_ps(hi + half + i), hs = _mm256_loadu_ps(hi + dim + half + i);
-            lc = _mm256_loadu_ps(lo + half + i), ls = _mm256_loadu_ps(lo + dim + half + i);
-            cos = _mm256_sub_ps(_mm256_mul_ps(hc, lc), _mm256_mul_ps(hs, ls));
-            sin = _mm256_add_ps(_mm256_mul_ps(hs, lc), _mm256_mul_ps(hc, ls));
+            /* the second half's angles are the first half's (positions.rope_angles repeats them) */
             _mm256_storeu_ps(dst + half + i, _mm256_add_ps(_mm256_mul_ps(b, cos), _mm256_mul_ps(a, sin)));
         }
         return;

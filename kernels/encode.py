@@ -14,7 +14,7 @@ ops (~90 us per layer for 9 heads, plus ~25 us to pack); this runs it in ~15 us.
 NOTE: the sums run in another order than torch's, so a bit whose h lies within float rounding
 of 0 can differ from `pack(encoders.query_bits(...))` (about one bit in 10^6 of random inputs);
 such a bit carries no ranking information either way. `MlpCoder.many` (many inputs per MLP)
-runs BLAS matrix products instead, with the same caveat. spotlight/attention.py `CodeSelector` runs
+runs kernels/encode.c (or, without it, BLAS matrix products) instead, with the same caveat. spotlight/attention.py `CodeSelector` runs
 the query codes and a decode step's key codes here (prefill keys go through torch in one batch);
 a decoded key's code may thus differ from the prefill path's in such a bit (one in ~10^7 measured
 on SmolLM2), as its key itself differs by float rounding between the two paths.
@@ -26,8 +26,18 @@ import math
 import numpy as np
 
 from .cpu import HAVE_NUMBA, WORD_BITS, _numba_threads, as_numpy, pack, threads, words_for
+from .quant import _LIB as _NATIVE  # the one compiled library of the CPU kernels (kernels/encode.c in it)
 
 LOG2E = np.float32(math.log2(math.e))
+
+# kernels/encode.c: `many` and `turned` in one call (AVX2 + FMA builds; else numpy's products below)
+C_ENCODE = bool(_NATIVE is not None and hasattr(_NATIVE, "encode_available") and _NATIVE.encode_available())
+if C_ENCODE:
+    import ctypes
+
+    _p, _i64 = ctypes.c_void_p, ctypes.c_int64
+    _NATIVE.encode_many.argtypes = [_p, _i64, _p, _p] + [_i64] * 5 + [_p] * 4 + [_i64, _i64, _p, ctypes.c_int]
+    _NATIVE.encode_many.restype = ctypes.c_int
 
 if HAVE_NUMBA:
     from numba import njit, prange
@@ -172,24 +182,64 @@ class MlpCoder:
             # y, z, silu(z), its product, h, codes, silu's power and scale bits
         return self._batch
 
-    def many(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def many(self, x: np.ndarray, out: np.ndarray, *, native: bool = True) -> np.ndarray:
         """B inputs per row's MLP at once: x C-contiguous float32 (B, R, D), out uint64 (B, R, W), written
         and returned; out[b] holds self(x[b], ...)'s codes but for bits within float rounding of 0.
 
-        NOTE: each MLP's B inputs are one small matrix product (numpy's BLAS; below its threading
-        size, so one thread): 4x faster than B one-row calls through the fused kernel (whose
-        loops reach ~15 GFLOP/s). The bias, silu and sign packing between them run in numba
-        (`_bias_silu`, `_pack_turned`). For select_far's 32 x 14 turned-back queries (Qwen2.5,
-        depth 1, width 64, 128 bits): ~0.35 ms on a 2-core AMD EPYC (AVX2), ~0.24 of it the three
-        products (ad hoc, 12-03). Its sums run in BLAS's order, hence the rounding caveat, as the
-        module docstring says.
+        One call of kernels/encode.c where it is built (`native=False`: the numpy path, for tests).
+        Else each MLP's B inputs are one small matrix product (numpy's BLAS; below its threading
+        size, so one thread), the bias, silu and sign packing between them in numba (`_bias_silu`,
+        `_pack_turned`). For select_far's 32 x 14 turned-back queries (Qwen2.5, depth 1, width 64,
+        128 bits) the numpy path took ~0.35 ms on a 2-core AMD EPYC (AVX2), ~0.24 of it the three
+        products (ad hoc, 12-03); encode.c's numbers are in docs/DECISIONS.md. Either's sums run in
+        another order than the one-row coder's, hence the rounding caveat of the module docstring.
         """
         if x.ndim != 3 or x.shape[1:] != self.x_shape or x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError(f"x must be C-contiguous float32 (B, {self.x_shape[0]}, {self.x_shape[1]}), "
                              f"got {x.dtype} {x.shape}")
-        if out.shape != (x.shape[0], *self.shape) or out.dtype != np.uint64 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous uint64 ({x.shape[0]}, {self.shape[0]}, {self.shape[1]}), "
+        self._check_out(out, x.shape[0])
+        if native and self._native(x, x.shape[1] * x.shape[2], None, None, x.shape[0], out):
+            return out
+        return self._many_numpy(x, out)
+
+    def turned(self, q: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray, *,
+               native: bool = True) -> np.ndarray:
+        """`many` of the B inputs x[b] = q turned by the table row b (positions.Rotations.turn_back:
+        q * cos[b] - rotate_half(q) * sin[b], the same fp32 operations): q C-contiguous float32 (R, D),
+        cos and sin (B, D), out uint64 (B, R, W), written and returned. kernels/encode.c turns and
+        codes them in one call; `native=False` (or without it) turns them in numpy, then `many`."""
+        if q.shape != self.x_shape or q.dtype != np.float32 or not q.flags.c_contiguous:
+            raise ValueError(f"q must be C-contiguous float32 {self.x_shape}, got {q.dtype} {q.shape}")
+        batch, dim = cos.shape[0], self.x_shape[1]
+        for name, table in (("cos", cos), ("sin", sin)):
+            if table.shape != (batch, dim) or table.dtype != np.float32 or not table.flags.c_contiguous:
+                raise ValueError(f"{name} must be C-contiguous float32 (B, {dim}), got {table.dtype} {table.shape}")
+        self._check_out(out, batch)
+        if native and self._native(q, 0, cos, sin, batch, out):
+            return out
+        other = np.concatenate([-q[:, dim // 2:], q[:, : dim // 2]], axis=1)  # rotate_half(q) (R, D)
+        x = q[None] * cos[:, None] - other[None] * sin[:, None]  # (B, R, D)
+        return self._many_numpy(x, out)
+
+    def _check_out(self, out: np.ndarray, batch: int) -> None:
+        if out.shape != (batch, *self.shape) or out.dtype != np.uint64 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous uint64 ({batch}, {self.shape[0]}, {self.shape[1]}), "
                              f"got {out.dtype} {out.shape}")
+
+    def _native(self, x, x_step: int, cos, sin, batch: int, out) -> bool:
+        """kernels/encode.c's encode_many into out; False where it is not built or does not take the shapes."""
+        w1, b1, w2, w_out = self.weights
+        if not C_ENCODE or not w1.shape[1] == b1.shape[1] == w2.shape[1]:  # encode.c: one stride of stacked blocks
+            return False
+        rows, dim = self.x_shape
+        status = _NATIVE.encode_many(
+            x.ctypes.data, x_step, None if cos is None else cos.ctypes.data, None if sin is None else sin.ctypes.data,
+            batch, rows, dim, w1.shape[-1], w_out.shape[-1], w1.ctypes.data, b1.ctypes.data, w2.ctypes.data,
+            w_out.ctypes.data, w1.shape[1], self.depth, out.ctypes.data, threads())
+        return status == 0
+
+    def _many_numpy(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`many` through numpy's stacked matrix products (and numba between them)."""
         w1, b1, w2, w_out = self.weights
         y, z, act, dy, h, codes, power, scale_bits = self._many_scratch(x.shape[0])
         np.copyto(y, x.transpose(1, 0, 2))  # (R, B, D)

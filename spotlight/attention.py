@@ -424,17 +424,19 @@ class CodeSelector:
         """Packed codes (R, H, W) of q (H, T, D) turned back by `turn` (_far_turn's cos, sin): one
         query's codes for a decode step, the majority code of up to `_FAR_QUERIES` spread queries for a chunk."""
         H, T, D = q.shape
+        mlp = self.encoders.query
+        if T == 1 and _fused(q, mlp):  # turned and coded in one kernels.MlpCoder.turned call
+            R = turn[0].shape[0]
+            if self._far_q_codes is None or self._far_q_codes.shape != (R, H, self.code_words):
+                self._far_q_codes = np.empty((R, H, self.code_words), np.uint64)  # (R, H, W), reused while R holds
+            cos, sin = (np.ascontiguousarray(t.reshape(R, D).numpy()) for t in turn)  # (R, D): views once made
+            return _coder(mlp, layer, self._query_coders).turned(np.ascontiguousarray(q[:, 0].numpy()), cos, sin,
+                                                                 self._far_q_codes)
         if T > 1:
             pick = torch.linspace(0, T - 1, min(T, _FAR_QUERIES)).round().to(torch.int64).to(q.device)  # (S,) the last included
             q = q[:, pick]  # (H, S, D)
         turned = Rotations.turn_back(q[None], *turn)  # (R, H, S, D)
         R, S = turned.shape[0], turned.shape[2]
-        mlp = self.encoders.query
-        if S == 1 and _fused(q, mlp):
-            if self._far_q_codes is None or self._far_q_codes.shape != (R, H, self.code_words):
-                self._far_q_codes = np.empty((R, H, self.code_words), np.uint64)  # (R, H, W), reused while R holds
-            return _coder(mlp, layer, self._query_coders).many(np.ascontiguousarray(turned[:, :, 0].numpy()),
-                                                               self._far_q_codes)
         h = self.encoders.query_bits(layer, turned.permute(1, 0, 2, 3).reshape(H, R * S, D)).detach().float()
         majority = (h.view(H, R, S, -1) > 0).float().mean(2) - 0.5  # (H, R, C): > 0 where most set the bit
         majority = majority.transpose(0, 1).contiguous()  # (R, H, C)

@@ -669,14 +669,15 @@ def _mlp_fp64(x, w1, b1, w2, w_out, depth):
 
 
 def test_mlp_coder_codes_many_inputs_per_row_as_fp64_and_one_call_each_do():
-    """`many` (B inputs through each row's MLP, select_far's turned-back queries, as BLAS products)
-    sets every bit the fp64 MLP sets, but for bits within float rounding of 0; so does each one-row
-    call. It refuses an x whose rows do not match the coder's."""
+    """`many` (B inputs through each row's MLP, select_far's turned-back queries; kernels/encode.c,
+    and numpy's BLAS products) sets every bit the fp64 MLP sets, but for bits within float rounding
+    of 0; so does each one-row call. It refuses an x whose rows do not match the coder's."""
     rng = np.random.default_rng(6)
     _, weights = mlp_inputs(rng)
     coder = kernels.MlpCoder(*weights, 2)
     xs = rng.standard_normal((33, 9, 64)).astype(np.float32)  # (B, R, D)
     got = coder.many(xs, np.empty((33, 9, 2), np.uint64))
+    numpy_path = coder.many(xs, np.empty((33, 9, 2), np.uint64), native=False)
     one = np.stack([coder(x, np.empty((9, 2), np.uint64)).copy() for x in xs])  # (B, R, W)
     h = _mlp_fp64(xs, *weights, 2)  # (B, R, C)
     clear = np.abs(h) > 1e-4 * np.abs(h).max()  # bits not within rounding of 0
@@ -684,9 +685,52 @@ def test_mlp_coder_codes_many_inputs_per_row_as_fp64_and_one_call_each_do():
     expected = (h > 0).astype(np.uint8)
     assert clear.mean() > 0.99
     np.testing.assert_array_equal(bits(got)[clear], expected[clear])
+    np.testing.assert_array_equal(bits(numpy_path)[clear], expected[clear])
     np.testing.assert_array_equal(bits(one)[clear], expected[clear])
     with pytest.raises(ValueError, match=r"x must be C-contiguous float32 \(B, 9, 64\)"):
         coder.many(xs[:, :4].copy(), np.empty((33, 4, 2), np.uint64))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("bits", [128, 100])  # 100: not a multiple of 8, which encode.c leaves to numpy
+def test_mlp_coder_codes_turned_queries_as_turn_back_then_many(native, bits):
+    """`turned` (select_far's decode query turned back once per block, then coded) equals
+    positions.Rotations.turn_back followed by `many`, bit for bit, through kernels/encode.c and
+    through numpy, on one thread and on two; either sets every bit the fp64 MLP of the turned
+    inputs sets, but for bits within float rounding of 0."""
+    import torch
+
+    from spotlight.positions import Rotations
+
+    from kernels import encode, quant
+
+    if native and bits == 128:  # the compiled path runs wherever the SIMD library is built
+        assert encode.C_ENCODE == (quant._LIB is not None and quant.C_SIMD)
+    rng = np.random.default_rng(7)
+    q, weights = mlp_inputs(rng, bits=bits)  # q (R, D)
+    coder = kernels.MlpCoder(*weights, 2)
+    angles = rng.uniform(-50, 50, (33, 64)).astype(np.float32)  # (B, D)
+    cos, sin = np.cos(angles), np.sin(angles)
+    x = Rotations.turn_back(torch.from_numpy(q)[None], torch.from_numpy(cos)[:, None],
+                            torch.from_numpy(sin)[:, None]).numpy()  # (B, R, D)
+    words = kernels.words_for(bits)
+    before = cpu.threads()
+    try:
+        got = {}
+        for count in (1, 2):
+            kernels.set_threads(count)
+            got[count] = coder.turned(q, cos, sin, np.empty((33, 9, words), np.uint64), native=native)
+        np.testing.assert_array_equal(got[2], got[1])
+        np.testing.assert_array_equal(got[1], coder.many(x, np.empty((33, 9, words), np.uint64), native=native))
+    finally:
+        kernels.set_threads(before)
+    h = _mlp_fp64(x, *weights, 2)  # (B, R, C)
+    clear = np.abs(h) > 1e-4 * np.abs(h).max()
+    assert clear.mean() > 0.99
+    bits_of = np.unpackbits(got[1].view(np.uint8), axis=-1, bitorder="little")[..., :bits]
+    np.testing.assert_array_equal(bits_of[clear], (h > 0).astype(np.uint8)[clear])
+    with pytest.raises(ValueError, match=r"cos must be C-contiguous float32 \(B, 64\)"):
+        coder.turned(q, cos[:, :32].copy(), sin, np.empty((33, 9, words), np.uint64))
 
 
 def test_mlp_coder_refuses_more_blocks_than_stacked():
