@@ -40,7 +40,8 @@ __all__ = [
     "pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "score_select_blocks", "make_scratch",
     "gather",
     "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
-    "set_threads", "attend", "gather_attend", "make_attend_scratch", "mlp_codes", "MlpCoder",
+    "set_threads", "attend", "gather_attend", "remapped_attend", "selected_scores", "make_attend_scratch", "mlp_codes",
+    "MlpCoder",
     "bit_counts", "span_scores", "pick_ranges", "ranges_score_select",
 ]
 
@@ -203,6 +204,15 @@ def remapped_attend(q, k, v, idx, base: int, moved: int, lo_table, hi_table, blo
     rotated as they are read -> (H, D) float32; CPU only (kernels/attend.c), None where it
     cannot run (then the caller's torch path does the same)."""
     return _attend.remapped_attend(q, k, v, idx, base, moved, lo_table, hi_table, block, out=out, scratch=scratch)
+
+
+def selected_scores(q, k, idx, base: int = 0, moved: int = 0, lo_table=None, hi_table=None, block: int = 0,
+                    out=None):
+    """Scores (Hkv, G, K) float32 = q . key / sqrt(D) of each KV head's query group over its
+    selected rows idx (Hkv, K) of k, the first `moved` re-positioned as `remapped_attend` reads them
+    (moved 0: as stored): what a sparse decode step's softmax weighs; CPU only (kernels/attend.c),
+    None where it cannot run (then the caller's torch path does the same)."""
+    return _attend.selected_scores(q, k, idx, base, moved, lo_table, hi_table, block, out=out)
 
 
 def make_attend_scratch(q, k):

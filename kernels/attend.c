@@ -191,6 +191,43 @@ int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, 
     return 0;
 }
 
+/* scores (Hkv, G, count) = q[h * G + g] . key / sqrt(D) of each KV head's query group over its
+   rows[h * rows_stride + 0 .. count) (k as in attend_decode), each key re-positioned as
+   attend_decode's rot arguments say (rot_lo NULL: as stored): the scores whose softmax
+   attend_decode weighs, for a caller that wants the weights themselves (spotlight/observers.py's
+   tally of what a reply attended to). Rows spread over `threads` OpenMP threads. Returns 0, or -1
+   when G or D is out of range or fp16 rows are not compiled in. */
+int attend_scores(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k, int64_t head_stride,
+                  const int32_t *rows, int64_t rows_stride, int64_t count, int half, const float *rot_lo,
+                  const float *rot_hi, int64_t rot_block, int64_t base, int64_t moved, float *scores, int threads) {
+    int64_t group = heads / kv_heads;
+    if (group < 1 || group > MAX_GROUP || dim % 8 || dim > MAX_DIM || (half && !HAVE_F16_ROWS)) return -1;
+    int remapped = rot_lo != NULL && rot_hi != NULL && rot_block >= 1;
+    struct remap rot = {rot_lo, rot_hi, rot_block, base, count, remapped ? moved : 0};
+    const float scale = (float)(1.0 / sqrt((double)dim));
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads > 1 ? threads : 1) schedule(static)
+#endif
+    for (int64_t i = 0; i < kv_heads * count; i++) {
+        int64_t h = i / count, column = i % count, r = rows[h * rows_stride + column];
+        int64_t delta = column < rot.moved ? base - count + column - r : -1;
+        float key[MAX_DIM];
+#if HAVE_F16_ROWS
+        if (half)
+            stage_key_f16(key, (const uint16_t *)k + h * head_stride + r * dim, dim, delta, &rot);
+        else
+#endif
+            stage_key_f32(key, (const float *)k + h * head_stride + r * dim, dim, delta, &rot);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + (h * group + g) * dim;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t c = 0; c < dim; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c), _mm256_loadu_ps(key + c), a);
+            scores[(h * group + g) * count + column] = hsum8(a) * scale;
+        }
+    }
+    return 0;
+}
+
 int attend_available(void) { return 1; }
 int attend_f16_available(void) { return HAVE_F16_ROWS; }
 #else

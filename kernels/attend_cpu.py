@@ -212,6 +212,10 @@ if C_ATTEND:
     _NATIVE.attend_decode.argtypes = [_p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, ctypes.c_int, _p, _p, _p,
                                       _p, ctypes.c_int, ctypes.c_int, _p, _p, _i64, _i64, _i64]
     _NATIVE.attend_decode.restype = ctypes.c_int
+    if hasattr(_NATIVE, "attend_scores"):
+        _NATIVE.attend_scores.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64, ctypes.c_int, _p, _p, _i64,
+                                          _i64, _i64, _p, ctypes.c_int]
+        _NATIVE.attend_scores.restype = ctypes.c_int
 # fp16 K/V rows read as they are (F16C); without it they are converted to fp32 before the kernel
 C_ATTEND_F16 = bool(C_ATTEND and hasattr(_NATIVE, "attend_f16_available") and _NATIVE.attend_f16_available())
 
@@ -330,6 +334,41 @@ def remapped_attend(q, k, v, idx, base: int, moved: int, lo_table, hi_table, blo
         qa.ctypes.data, qa.shape[0], hkv, dim, ka.ctypes.data, va.ctypes.data, ka.strides[0] // ka.itemsize,
         rows.ctypes.data, count, count, splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data,
         dest.ctypes.data, workers, int(half), lo.ctypes.data, hi.ctypes.data, block, base, moved)
+    assert status == 0, status  # the checks above cover attend.c's
+    return dest
+
+
+def selected_scores(q, k, idx, base: int = 0, moved: int = 0, lo_table=None, hi_table=None, block: int = 0,
+                    out=None) -> np.ndarray | None:
+    """Scores (Hkv, G, K) float32 = q . key / sqrt(D) of each KV head's query group (q (H, D)) over
+    its selected rows idx (Hkv, K) of k (Hkv, Ncap, D), the first `moved` columns re-positioned past
+    the model's window as `remapped_attend` reads them (with its tables; moved 0: as stored): the
+    scores whose softmax a sparse or re-positioned decode step weighs. One kernels/attend.c call;
+    None where it cannot run this (no C kernel, or the geometry does not fit)."""
+    qa = np.ascontiguousarray(as_numpy(q), dtype=np.float32)
+    ka = as_numpy(k)
+    hkv, capacity, dim = ka.shape
+    half = ka.dtype == np.float16
+    if not (C_ATTEND and hasattr(_NATIVE, "attend_scores") and c_attend_fits(qa.shape[0], hkv, dim)
+            and (C_ATTEND_F16 or not half) and ka.dtype in (np.float16, np.float32) and ka.strides[1:] == (dim * ka.itemsize, ka.itemsize)):
+        return None
+    rows = np.ascontiguousarray(as_numpy(idx), dtype=np.int32)  # (Hkv, K)
+    if rows.ndim != 2 or rows.shape[0] != hkv or not 0 <= moved <= rows.shape[1]:
+        raise ValueError(f"idx must be (Hkv, K) = ({hkv}, K) with moved <= K, got {rows.shape} and moved {moved}")
+    if rows.size and (rows.min() < 0 or rows.max() >= capacity):
+        raise ValueError(f"idx must lie in [0, {capacity}), got [{rows.min()}, {rows.max()}]")
+    lo = hi = None
+    if moved:
+        lo, hi = (np.ascontiguousarray(as_numpy(t), dtype=np.float32) for t in (lo_table, hi_table))
+        if lo.shape != (block, 2 * dim) or hi.ndim != 2 or hi.shape[1] != 2 * dim or hi.shape[0] * block <= base:
+            raise ValueError(f"rotation tables must be (block, 2D) and (rows, 2D) covering deltas to {base}; "
+                             f"got {lo.shape} and {hi.shape} for D = {dim}")
+    group, count = qa.shape[0] // hkv, rows.shape[1]
+    dest = _result(out, (hkv, group, count))
+    status = _NATIVE.attend_scores(
+        qa.ctypes.data, qa.shape[0], hkv, dim, ka.ctypes.data, ka.strides[0] // ka.itemsize, rows.ctypes.data, count,
+        count, int(half), None if lo is None else lo.ctypes.data, None if hi is None else hi.ctypes.data, block, base,
+        moved, dest.ctypes.data, threads())
     assert status == 0, status  # the checks above cover attend.c's
     return dest
 

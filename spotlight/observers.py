@@ -36,6 +36,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+import kernels
+
 from .beyond import remapped_rows
 from .model import rope_inv_freq
 from .positions import Rotations
@@ -117,13 +119,33 @@ class AttentionTally:
             self.mass[:limit] += share * _probabilities(layer, q, cache)[:limit]
             return
         rows = torch.as_tensor(selected, device=q.device).long()  # (Hkv, K)
-        probs = _selected_probabilities(q, self._read_keys(layer, cache, rows, n))  # (Hkv, K)
+        scores = self._read_scores(layer, q, cache, selected, n)  # (Hkv, G, K), or None: from the keys
+        if scores is None:
+            scores = _selected_scores(q, self._read_keys(layer, cache, rows, n))
+        probs = _probabilities_of(scores, q.shape[0])  # (Hkv, K)
         idx, weight = rows.cpu().numpy().reshape(-1), probs.reshape(-1)
         keep = idx < limit
         np.add.at(self.mass, idx[keep], share * weight[keep])
 
     def on_step(self, n_tokens: int) -> None:
         self.steps += 1
+
+    def _read_scores(self, layer: int, q: torch.Tensor, cache, selected, n: int) -> torch.Tensor | None:
+        """fp32 (Hkv, G, K) scores of the query group over the selected keys as the layer read them,
+        from one kernels.selected_scores call (CPU, fp32 queries: rotating the keys as it reads them
+        past the window, where the torch path's gather and rotation cost ~5 ms a layer at 128K);
+        None where it does not run."""
+        if q.device.type != "cpu" or q.dtype != torch.float32 or cache.k.dtype not in (torch.float16, torch.float32):
+            return None
+        K = selected.shape[1]
+        if n <= cache.args.max_seq_len:
+            scores = kernels.selected_scores(q[:, 0], cache.k[layer], selected)
+        else:
+            if self._rotations is None:
+                self._rotations = Rotations(rope_inv_freq(cache.args))
+            lo, hi = self._rotations.tables(n, "cpu")
+            scores = kernels.selected_scores(q[:, 0], cache.k[layer], selected, n, K, lo, hi, self._rotations.block)
+        return None if scores is None else torch.from_numpy(scores)
 
     def _read_keys(self, layer: int, cache, rows: torch.Tensor, n: int) -> torch.Tensor:
         """fp32 (Hkv, K, D): the selected keys as the layer read them; past the model's window the
@@ -136,15 +158,19 @@ class AttentionTally:
         return remapped_rows(cache.k[layer], cache.v[layer], rows, n, self._rotations, dtype=torch.float32)[0]
 
 
-def _selected_probabilities(q: torch.Tensor, read: torch.Tensor) -> np.ndarray:
-    """Softmax attention (Hkv, K) float64 of q (H, 1, D) over `read` (Hkv, K, D), the keys a sparse
-    layer read (one row per KV head, shared by its query group), averaged over the H query heads
-    (so it sums to 1): what the layer attended to, as it weighed it."""
+def _selected_scores(q: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """Scores (Hkv, G, K) of q (H, 1, D) over `read` (Hkv, K, D), the keys a sparse layer read (one
+    row per KV head, shared by its query group)."""
     H, D = q.shape[0], q.shape[-1]
     Hkv = read.shape[0]
     query = q[:, 0].float().reshape(Hkv, H // Hkv, D)  # (Hkv, G, D)
-    scores = torch.einsum("hgd,hkd->hgk", query, read) / math.sqrt(D)  # (Hkv, G, K)
-    return (scores.softmax(-1).sum(1) / H).double().cpu().numpy()  # (Hkv, K)
+    return torch.einsum("hgd,hkd->hgk", query, read) / math.sqrt(D)  # (Hkv, G, K)
+
+
+def _probabilities_of(scores: torch.Tensor, heads: int) -> np.ndarray:
+    """Softmax attention (Hkv, K) float64 from the group's scores (Hkv, G, K), averaged over the H
+    query heads (so it sums to 1): what the layer attended to, as it weighed it."""
+    return (scores.float().softmax(-1).sum(1) / heads).double().cpu().numpy()  # (Hkv, K)
 
 
 def _probabilities(layer: int, q: torch.Tensor, cache) -> np.ndarray:

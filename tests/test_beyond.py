@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import kernels
 from conftest import tiny_pair
 from spotlight.attention import CodeSelector, DenseDecode, SinkWindowSelector, SpotlightDecode
-from spotlight.beyond import deltas, fitted, remapped_chunk, remapped_decode
+from spotlight.beyond import deltas, fitted, remapped_chunk, remapped_decode, remapped_rows
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.engine import KV_MEMORY_SHARE, physical_memory_bytes
@@ -172,6 +172,41 @@ def test_the_kernel_past_the_window_rotates_as_it_reads_and_equals_the_torch_pat
             kernels.set_threads(1)
         torch.testing.assert_close(torch.from_numpy(out), expected, rtol=0, atol=1e-5)
         assert (torch.from_numpy(unrotated) - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_selected_scores_are_the_scores_of_the_keys_as_the_kernel_reads_them(dtype):
+    """kernels.selected_scores (attend.c, what the attention tally weighs) gives the group's scores
+    over beyond.remapped_rows' re-positioned keys past the window, and over the keys as stored
+    with moved = 0, on one and two threads."""
+    import kernels
+    from kernels import attend_cpu
+
+    heads, hkv, dim, n, local = 14, 2, 64, 70_000, 512
+    if not attend_cpu.c_attend_fits(heads, hkv, dim):
+        pytest.skip("kernels/_quant.so without the AVX2 attention kernel (make setup)")
+    torch.manual_seed(3)
+    rotations = Rotations(1.0 / 1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    q = torch.randn(heads, 1, dim)
+    k, v = (3 * torch.randn(hkv, n + 40, dim)).to(dtype), torch.randn(hkv, n + 40, dim).to(dtype)
+    far = torch.stack([torch.sort(torch.randperm(n - local)[:2 * local]).values for _ in range(hkv)])
+    idx = torch.cat([far, torch.arange(n - local, n).expand(hkv, -1)], 1).to(torch.int32)  # (Hkv, K)
+    K = idx.shape[1]
+    lo, hi = rotations.tables(n, "cpu")
+    moved_keys = remapped_rows(k, v, idx, n, rotations, dtype=torch.float32)[0]  # (Hkv, K, D)
+    stored_keys = torch.gather(k, 1, idx.long().unsqueeze(-1).expand(-1, -1, dim)).float()  # (Hkv, K, D)
+    group = q[:, 0].view(hkv, heads // hkv, dim)  # (Hkv, G, D)
+    for count in (1, 2):
+        kernels.set_threads(count)
+        try:
+            moved = kernels.selected_scores(q[:, 0], k, idx, n, K, lo, hi, rotations.block)
+            stored = kernels.selected_scores(q[:, 0], k, idx)
+        finally:
+            kernels.set_threads(1)
+        for got, keys in ((moved, moved_keys), (stored, stored_keys)):
+            expected = torch.einsum("hgd,hkd->hgk", group, keys) / dim ** 0.5  # (Hkv, G, K)
+            torch.testing.assert_close(torch.from_numpy(got), expected, rtol=0, atol=2e-4)
+        assert (torch.from_numpy(moved) - torch.from_numpy(stored)).abs().max() > 1.0  # the rotation matters
 
 
 def test_remapped_chunk_sees_its_selection_before_its_local_keys_and_itself_causally():
