@@ -316,13 +316,8 @@ def remapped_attend(q, k, v, idx, base: int, moved: int, lo_table, hi_table, blo
     half = ka.dtype == np.float16
     if not (c_attend_fits(qa.shape[0], hkv, dim) and ka.strides == va.strides and (C_ATTEND_F16 or not half)):
         return None
-    if rows.ndim != 2 or rows.shape[0] != hkv or not 0 <= moved <= rows.shape[1]:
-        raise ValueError(f"idx must be (Hkv, K) = ({hkv}, K) with moved <= K, got {rows.shape} and moved {moved}")
-    if rows.size and (rows.min() < 0 or rows.max() >= min(capacity, base)):
-        raise ValueError(f"idx must lie in [0, {min(capacity, base)}), got [{rows.min()}, {rows.max()}]")
-    if lo.shape != (block, 2 * dim) or hi.ndim != 2 or hi.shape[1] != 2 * dim or hi.shape[0] * block <= base:
-        raise ValueError(f"rotation tables must be (block, 2D) and (rows, 2D) covering deltas to {base}; "
-                         f"got {lo.shape} and {hi.shape} for D = {dim}")
+    _check_selection(rows, hkv, moved, min(capacity, base))
+    _check_tables(lo, hi, block, base, dim)
     dest = _result(out, qa.shape)
     buf = scratch if scratch is not None else new_attend_scratch(qa.shape[0], hkv, dim)
     if not buf.fits(qa.shape[0], hkv, dim):
@@ -349,20 +344,16 @@ def selected_scores(q, k, idx, base: int = 0, moved: int = 0, lo_table=None, hi_
     ka = as_numpy(k)
     hkv, capacity, dim = ka.shape
     half = ka.dtype == np.float16
+    rows_contiguous = ka.strides[1:] == (dim * ka.itemsize, ka.itemsize)
     if not (C_ATTEND and hasattr(_NATIVE, "attend_scores") and c_attend_fits(qa.shape[0], hkv, dim)
-            and (C_ATTEND_F16 or not half) and ka.dtype in (np.float16, np.float32) and ka.strides[1:] == (dim * ka.itemsize, ka.itemsize)):
+            and (C_ATTEND_F16 or not half) and ka.dtype in (np.float16, np.float32) and rows_contiguous):
         return None
     rows = np.ascontiguousarray(as_numpy(idx), dtype=np.int32)  # (Hkv, K)
-    if rows.ndim != 2 or rows.shape[0] != hkv or not 0 <= moved <= rows.shape[1]:
-        raise ValueError(f"idx must be (Hkv, K) = ({hkv}, K) with moved <= K, got {rows.shape} and moved {moved}")
-    if rows.size and (rows.min() < 0 or rows.max() >= capacity):
-        raise ValueError(f"idx must lie in [0, {capacity}), got [{rows.min()}, {rows.max()}]")
+    _check_selection(rows, hkv, moved, min(capacity, base) if moved else capacity)
     lo = hi = None
     if moved:
         lo, hi = (np.ascontiguousarray(as_numpy(t), dtype=np.float32) for t in (lo_table, hi_table))
-        if lo.shape != (block, 2 * dim) or hi.ndim != 2 or hi.shape[1] != 2 * dim or hi.shape[0] * block <= base:
-            raise ValueError(f"rotation tables must be (block, 2D) and (rows, 2D) covering deltas to {base}; "
-                             f"got {lo.shape} and {hi.shape} for D = {dim}")
+        _check_tables(lo, hi, block, base, dim)
     group, count = qa.shape[0] // hkv, rows.shape[1]
     dest = _result(out, (hkv, group, count))
     status = _NATIVE.attend_scores(
@@ -371,6 +362,21 @@ def selected_scores(q, k, idx, base: int = 0, moved: int = 0, lo_table=None, hi_
         moved, dest.ctypes.data, threads())
     assert status == 0, status  # the checks above cover attend.c's
     return dest
+
+
+def _check_selection(rows: np.ndarray, hkv: int, moved: int, limit: int) -> None:
+    """A selection (Hkv, K) of rows below `limit`, its first `moved` columns re-positioned."""
+    if rows.ndim != 2 or rows.shape[0] != hkv or not 0 <= moved <= rows.shape[1]:
+        raise ValueError(f"idx must be (Hkv, K) = ({hkv}, K) with moved <= K, got {rows.shape} and moved {moved}")
+    if rows.size and (rows.min() < 0 or rows.max() >= limit):
+        raise ValueError(f"idx must lie in [0, {limit}), got [{rows.min()}, {rows.max()}]")
+
+
+def _check_tables(lo: np.ndarray, hi: np.ndarray, block: int, base: int, dim: int) -> None:
+    """positions.Rotations' tables: lo (block, 2D), hi (rows, 2D) covering deltas up to base."""
+    if lo.shape != (block, 2 * dim) or hi.ndim != 2 or hi.shape[1] != 2 * dim or hi.shape[0] * block <= base:
+        raise ValueError(f"rotation tables must be (block, 2D) and (rows, 2D) covering deltas to {base}; "
+                         f"got {lo.shape} and {hi.shape} for D = {dim}")
 
 
 def _run(q, k, v, rows, count, dest, scratch, native=True):

@@ -14,10 +14,11 @@ ops (~90 us per layer for 9 heads, plus ~25 us to pack); this runs it in ~15 us.
 NOTE: the sums run in another order than torch's, so a bit whose h lies within float rounding
 of 0 can differ from `pack(encoders.query_bits(...))` (about one bit in 10^6 of random inputs);
 such a bit carries no ranking information either way. `MlpCoder.many` (many inputs per MLP)
-runs kernels/encode.c (or, without it, BLAS matrix products) instead, with the same caveat. spotlight/attention.py `CodeSelector` runs
-the query codes and a decode step's key codes here (prefill keys go through torch in one batch);
-a decoded key's code may thus differ from the prefill path's in such a bit (one in ~10^7 measured
-on SmolLM2), as its key itself differs by float rounding between the two paths.
+runs kernels/encode.c (or, without it, BLAS matrix products) instead, with the same caveat.
+spotlight/attention.py `CodeSelector` runs the query codes and a decode step's key codes here
+(prefill keys go through torch in one batch); a decoded key's code may thus differ from the
+prefill path's in such a bit (one in ~10^7 measured on SmolLM2), as its key itself differs by
+float rounding between the two paths.
 """
 from __future__ import annotations
 

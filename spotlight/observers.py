@@ -141,10 +141,9 @@ class AttentionTally:
         if n <= cache.args.max_seq_len:
             scores = kernels.selected_scores(q[:, 0], cache.k[layer], selected)
         else:
-            if self._rotations is None:
-                self._rotations = Rotations(rope_inv_freq(cache.args))
-            lo, hi = self._rotations.tables(n, "cpu")
-            scores = kernels.selected_scores(q[:, 0], cache.k[layer], selected, n, K, lo, hi, self._rotations.block)
+            rotations = self._rotations_of(cache)
+            lo, hi = rotations.tables(n, "cpu")
+            scores = kernels.selected_scores(q[:, 0], cache.k[layer], selected, n, K, lo, hi, rotations.block)
         return None if scores is None else torch.from_numpy(scores)
 
     def _read_keys(self, layer: int, cache, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -153,9 +152,13 @@ class AttentionTally:
         if n <= cache.args.max_seq_len:
             D = cache.k.shape[-1]
             return torch.gather(cache.keys(layer, 1), 1, rows.unsqueeze(-1).expand(-1, -1, D)).float()  # (Hkv, K, D)
+        return remapped_rows(cache.k[layer], cache.v[layer], rows, n, self._rotations_of(cache), dtype=torch.float32)[0]
+
+    def _rotations_of(self, cache) -> Rotations:
+        """The cache's model's key rotations past the window, made at first use."""
         if self._rotations is None:
             self._rotations = Rotations(rope_inv_freq(cache.args))
-        return remapped_rows(cache.k[layer], cache.v[layer], rows, n, self._rotations, dtype=torch.float32)[0]
+        return self._rotations
 
 
 def _selected_scores(q: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
