@@ -209,6 +209,25 @@ def test_selected_scores_are_the_scores_of_the_keys_as_the_kernel_reads_them(dty
         assert (torch.from_numpy(moved) - torch.from_numpy(stored)).abs().max() > 1.0  # the rotation matters
 
 
+def test_selected_scores_refuses_a_selection_or_tables_that_do_not_fit_with_what_they_must_be():
+    from kernels import attend_cpu
+
+    if not attend_cpu.c_attend_fits(4, 2, 16):
+        pytest.skip("kernels/_quant.so without the AVX2 attention kernel (make setup)")
+    rotations = Rotations(1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    q, k = torch.randn(4, 16), torch.randn(2, 100, 16)
+    lo, hi = rotations.tables(90, "cpu")
+    idx = torch.arange(10).expand(2, -1).to(torch.int32)  # (Hkv, K)
+    with pytest.raises(ValueError, match=r"idx must be \(Hkv, K\) = \(2, K\)"):
+        kernels.selected_scores(q, k, idx[:1])
+    with pytest.raises(ValueError, match=r"idx must lie in \[0, 100\), got \[0, 100\]"):
+        kernels.selected_scores(q, k, torch.cat([idx, torch.full((2, 1), 100, dtype=torch.int32)], 1))
+    with pytest.raises(ValueError, match=r"idx must lie in \[0, 8\)"):  # re-positioned rows lie before base
+        kernels.selected_scores(q, k, idx, 8, 10, lo, hi, rotations.block)
+    with pytest.raises(ValueError, match="rotation tables must be"):
+        kernels.selected_scores(q, k, idx, 90, 10, lo[:, :16], hi, rotations.block)
+
+
 def test_remapped_chunk_sees_its_selection_before_its_local_keys_and_itself_causally():
     torch.manual_seed(1)
     inv_freq = rope_inv_freq(tiny_model().args)
