@@ -48,6 +48,7 @@ from .docqa_data import (
     hallucinated,
     load_questions,
     KINDS_WITH_VALUES,
+    QUESTIONS_FILE,
 )
 
 HOME = ROOT / ".bench-cache" / "docqa"  # converted models (fp32 copies) and the assembled Qwen GGUF
@@ -186,7 +187,8 @@ def run_block(run: RunConfig, documents, questions, excerpts) -> tuple[list[dict
                 for index, question in enumerate(q for q in questions if q.document == spec_id):
                     answer = ask(service, spec_id, excerpts[spec_id, length], question, run.framing)
                     answer.update(model=run.model, spotlight=run.spotlight, length=length, document=spec_id,
-                                  document_kind=documents[spec_id].kind, first_of_document=index == 0)
+                                  document_kind=documents[spec_id].kind, first_of_document=index == 0,
+                                  load_s=load_s, measured=time.strftime("%Y-%m-%d %H:%M"))
                     log(f"{run.model} {'spotlight' if run.spotlight else 'dense'} {length}: {question.id} "
                         f"{'OK ' if answer['correct'] else 'no '} {answer['reply'][:80]!r}")
                     block.append(answer)
@@ -264,9 +266,10 @@ def main(argv=None) -> int:
                         + repr(SYSTEM_PROMPTS["plain"]) + "; brief: that one, the question prefixed with "
                         + repr(FRAMINGS["brief"][:-11]))
     p.add_argument("--answers", default=None, help="write every reply with its score here (JSON)")
-    p.add_argument("--rescore", metavar="ANSWERS", default=None,
-                   help="no model: score the replies saved by an earlier run (its --answers file) again with "
-                        "the current questions and scoring, and write the rows as usual")
+    p.add_argument("--rescore", metavar="ANSWERS", nargs="+", default=None,
+                   help="no model: score the replies saved by earlier runs (their --answers files) again with "
+                        "the current questions and scoring, and write the rows as usual; several files join "
+                        "into one table (e.g. a 32K run added to a 2K/8K one), each block from one file")
     args = p.parse_args(argv)
     if args.rescore:
         return rescore(args)
@@ -288,7 +291,8 @@ def main(argv=None) -> int:
             answers += block_answers
             if saved is not None:  # after every block, so a long run stopped early keeps what it measured
                 saved.write_text(json.dumps(answers, indent=1, default=str))
-    notes = _notes(questions, skipped, system_prompt, args.repetition_penalty, excerpts)
+    tokens = sorted({(length, e.n_tokens) for (_, length), e in excerpts.items()})
+    notes = _notes(questions, skipped, system_prompt, args.repetition_penalty, tokens)
     notes += f" Framing {args.framing!r}: {FRAMINGS[args.framing]!r}."
     finish("docqa", args, rows, compute_targets(rows, args.default), title="Document QA (choosing the default model)",
            notes=notes, columns=COLUMNS)
@@ -296,30 +300,76 @@ def main(argv=None) -> int:
 
 
 def rescore(args) -> int:
-    """Rows from saved replies, scored again (timings as saved; load_s was not kept)."""
+    """Rows from saved replies, scored again; several runs' files join into one table.
+
+    Timings are the saved replies' own. A block (model x attention x length) must come whole from
+    one file: the same question of a block in two files is refused."""
     from chat.config import AppConfig
 
     _, questions = load_questions()
     by_id = {q.id: q for q in questions}
-    answers = json.loads(Path(args.rescore).read_text())
+    answers, origin = join_answers([Path(path) for path in args.rescore])
     blocks: dict[tuple, list[dict]] = {}
     for answer in answers:
-        question = by_id[answer["id"]]
+        question = by_id.get(answer["id"])
+        if question is None:
+            raise SystemExit(f"{origin[id(answer)]}: question {answer['id']!r} is no longer in "
+                             f"{QUESTIONS_FILE.name}; rescore only replies to the current questions")
         answer.update(correct=correct(answer["reply"], question.answers, question.distractors),
                       hallucinated=hallucinated(answer["reply"], question))
         answer.setdefault("read_share", None)
         blocks.setdefault((answer["model"], answer["spotlight"], answer["length"]), []).append(answer)
-    rows = [summarise(RunConfig(model, spotlight, (length,)), length, block, sum(a["seconds"] for a in block),
-                      float("nan")) for (model, spotlight, length), block in blocks.items()]
+    models = list(dict.fromkeys(a["model"] for a in answers))  # the order the runs asked them in
+    order = sorted(blocks, key=lambda b: (b[1], models.index(b[0]), b[2]))  # dense first, as a run writes them
+    rows = [summarise(RunConfig(model, spotlight, (length,)), length, blocks[model, spotlight, length],
+                      sum(a["seconds"] for a in blocks[model, spotlight, length]),
+                      blocks[model, spotlight, length][0].get("load_s", float("nan")))
+            for model, spotlight, length in order]
     asked = [by_id[i] for i in dict.fromkeys(a["id"] for a in answers)]
-    notes = (f"Rescored (`--rescore {Path(args.rescore).name}`, {len(answers)} saved replies) with the current "
-             f"questions and scoring; seconds are the saved replies' own, load_s was not kept. "
-             + _notes(asked, {}, AppConfig().system_prompt, args.repetition_penalty, {}))
+    runs = "; ".join(f"{path.name}: {', '.join(sorted(whats))}" for path, whats in _runs_of(answers, origin).items())
+    tokens = sorted({(a["length"], a["excerpt_tokens"]) for a in answers if "excerpt_tokens" in a})
+    notes = (f"Rescored (`--rescore`, {len(answers)} saved replies from {len(args.rescore)} run(s): {runs}) with "
+             f"the current questions and scoring; seconds are the saved replies' own, load_s where saved. "
+             + _notes(asked, {}, AppConfig().system_prompt, args.repetition_penalty, tokens))
     if args.answers:
         Path(args.answers).write_text(json.dumps(answers, indent=1, default=str))
+    command = "docqa --rescore " + " ".join(Path(path).name for path in args.rescore)
     finish("docqa", args, rows, compute_targets(rows, args.default), title="Document QA (choosing the default model)",
-           notes=notes, columns=COLUMNS)
+           notes=notes, columns=COLUMNS, command=command)
     return 0
+
+
+def join_answers(paths: list[Path]) -> tuple[list[dict], dict[int, Path]]:
+    """The saved replies of several runs, and the file each came from (keyed by id() of the reply).
+
+    Refuses a question asked twice in one block (model, attention, length), naming both files."""
+    answers, origin, seen = [], {}, {}
+    for path in paths:
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"{path}: cannot read saved replies ({error}); give the --answers file of a "
+                             f"bench.docqa run") from None
+        for answer in saved:
+            where = (answer["model"], answer["spotlight"], answer["length"], answer["id"])
+            if where in seen:
+                raise SystemExit(f"{answer['model']} {'spotlight' if answer['spotlight'] else 'dense'} "
+                                 f"{answer['length']}: question {answer['id']!r} is in both {seen[where]} and "
+                                 f"{path}; give each block's replies from one run only")
+            seen[where] = path
+            origin[id(answer)] = path
+            answers.append(answer)
+    return answers, origin
+
+
+def _runs_of(answers: list[dict], origin: dict[int, Path]) -> dict[Path, set[str]]:
+    """What each file contributed: 'model attention length (measured)' per block."""
+    runs: dict[Path, set[str]] = {}
+    for answer in answers:
+        what = (f"{answer['model']} {'spotlight' if answer['spotlight'] else 'dense'} {answer['length']}"
+                + (f" ({answer['measured']})" if answer.get("measured") else ""))
+        runs.setdefault(origin[id(answer)], set()).add(what)
+    return runs
 
 
 def _spread(tokens: list[tuple[int, int]]) -> str:
@@ -331,11 +381,11 @@ def _spread(tokens: list[tuple[int, int]]) -> str:
     return ", ".join(f"{length}: {min(ns)}-{max(ns)}" for length, ns in spans.items())
 
 
-def _notes(questions, skipped, system_prompt, penalty, excerpts) -> str:
+def _notes(questions, skipped, system_prompt, penalty, tokens) -> str:
+    """The section's notes; `tokens`: the (length, excerpt tokens) pairs measured."""
     kinds = {}
     for q in questions:
         kinds[q.kind] = kinds.get(q.kind, 0) + 1
-    tokens = sorted({(length, e.n_tokens) for (_, length), e in excerpts.items()})
     text = (
         f"{len(questions)} questions ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}) from "
         f"bench/docqa_questions.json, each in its own conversation through `ChatService` (create, attach_text, "

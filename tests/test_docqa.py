@@ -148,3 +148,50 @@ def test_the_benchmark_builds_its_chat_service_as_the_app_composes_one(tmp_path)
     assert (Path(config.engine.model_path).name, config.engine.kv_pool_tokens, config.sampling.max_new_tokens,
             config.sampling.repetition_penalty, config.spotlight.enabled, service.store_config.root) == (
         MODELS["smollm2-135m-instruct"].file_name, 2048, MAX_NEW_TOKENS, 1.0, True, tmp_path)
+
+
+def _saved(model, spotlight, length, qid, reply, **extra):
+    """One saved reply as run_block writes it (the fields rescore reads)."""
+    return {"id": qid, "kind": "name", "reply": reply, "sources_shown": False, "top_source_hit": False,
+            "excerpt_tokens": length - 192, "prefill_tps": 100.0, "decode_tps": 20.0, "read_share": 1.0,
+            "seconds": 2.0, "model": model, "spotlight": spotlight, "length": length, "document": "essay-worked",
+            "document_kind": "essay", "first_of_document": True, **extra}
+
+
+def test_rescore_joins_the_runs_of_several_files_into_one_table(tmp_path):
+    import json
+
+    from bench.docqa import main
+
+    _, questions = load_questions()
+    first = next(q for q in questions if q.kind == "name")
+    right, wrong = f"It was {first.answers[0]}.", "The document does not say."
+    short = [_saved("qwen", False, 8192, first.id, right, load_s=3.0, measured="2026-12-04 23:40"),
+             _saved("qwen", True, 8192, first.id, wrong, load_s=4.0)]
+    long = [_saved("qwen", False, 32768, first.id, right), _saved("qwen", True, 32768, first.id, right)]
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    (tmp_path / "long.json").write_text(json.dumps(long))
+    out = tmp_path / "rows.json"
+    assert main(["--rescore", str(tmp_path / "short.json"), str(tmp_path / "long.json"), "--json", str(out),
+                 "--no-results"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    unsaved = [r["load_s"] != r["load_s"] for r in rows]  # NaN: the run did not save its load time
+    assert [(r["attention"], r["length"], r["accuracy"], None if gone else r["load_s"])
+            for r, gone in zip(rows, unsaved)] == [
+        ("dense", 8192, 1.0, 3.0), ("dense", 32768, 1.0, None), ("spotlight", 8192, 0.0, 4.0),
+        ("spotlight", 32768, 1.0, None)]
+
+
+def test_rescore_refuses_a_block_question_saved_by_two_runs(tmp_path):
+    import json
+
+    from bench.docqa import main
+
+    _, questions = load_questions()
+    saved = [_saved("qwen", False, 8192, questions[0].id, "Maybe.")]
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text(json.dumps(saved))
+    with pytest.raises(SystemExit) as refused:
+        main(["--rescore", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--no-results"])
+    assert str(refused.value) == (f"qwen dense 8192: question {questions[0].id!r} is in both {tmp_path / 'a.json'} "
+                                  f"and {tmp_path / 'b.json'}; give each block's replies from one run only")
