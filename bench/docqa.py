@@ -326,14 +326,14 @@ def rescore(args) -> int:
                       blocks[model, spotlight, length][0].get("load_s", float("nan")))
             for model, spotlight, length in order]
     asked = [by_id[i] for i in dict.fromkeys(a["id"] for a in answers)]
-    runs = "; ".join(f"{path.name}: {', '.join(sorted(whats))}" for path, whats in _runs_of(answers, origin).items())
+    runs = "; ".join(f"{path.name} ({what})" for path, what in _runs_of(answers, origin).items())
     tokens = sorted({(a["length"], a["excerpt_tokens"]) for a in answers if "excerpt_tokens" in a})
     notes = (f"Rescored (`--rescore`, {len(answers)} saved replies from {len(args.rescore)} run(s): {runs}) with "
              f"the current questions and scoring; seconds are the saved replies' own, load_s where saved. "
              + _notes(asked, {}, AppConfig().system_prompt, args.repetition_penalty, tokens))
     if args.answers:
         Path(args.answers).write_text(json.dumps(answers, indent=1, default=str))
-    command = "docqa --rescore " + " ".join(Path(path).name for path in args.rescore)
+    command = "docqa --rescore " + " ".join(str(path) for path in args.rescore)
     finish("docqa", args, rows, compute_targets(rows, args.default), title="Document QA (choosing the default model)",
            notes=notes, columns=COLUMNS, command=command)
     return 0
@@ -362,14 +362,21 @@ def join_answers(paths: list[Path]) -> tuple[list[dict], dict[int, Path]]:
     return answers, origin
 
 
-def _runs_of(answers: list[dict], origin: dict[int, Path]) -> dict[Path, set[str]]:
-    """What each file contributed: 'model attention length (measured)' per block."""
-    runs: dict[Path, set[str]] = {}
+def _runs_of(answers: list[dict], origin: dict[int, Path]) -> dict[Path, str]:
+    """What each file contributed: 'model attention lengths' per block, and when it was measured."""
+    blocks: dict[Path, dict[str, list[int]]] = {}
+    measured: dict[Path, set[str]] = {}
     for answer in answers:
-        what = (f"{answer['model']} {'spotlight' if answer['spotlight'] else 'dense'} {answer['length']}"
-                + (f" ({answer['measured']})" if answer.get("measured") else ""))
-        runs.setdefault(origin[id(answer)], set()).add(what)
-    return runs
+        path = origin[id(answer)]
+        lengths = blocks.setdefault(path, {}).setdefault(
+            f"{answer['model']} {'spotlight' if answer['spotlight'] else 'dense'}", [])
+        if answer["length"] not in lengths:
+            lengths.append(answer["length"])
+        if answer.get("measured"):
+            measured.setdefault(path, set()).add(answer["measured"])
+    return {path: (f"measured {', '.join(sorted(measured[path]))}: " if path in measured else "")
+            + ", ".join(f"{what} {'/'.join(map(str, lengths))}" for what, lengths in whats.items())
+            for path, whats in blocks.items()}
 
 
 def _spread(tokens: list[tuple[int, int]]) -> str:
