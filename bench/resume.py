@@ -1,11 +1,12 @@
 """Resume speed: time to first token of a conversation restored from disk vs recomputed.
 
     python -m bench.resume [--quick] [--spotlight] [--threads N] [--json PATH]
-    python -m bench.resume --long 131072 --model qwen2.5-coder-0.5b-instruct
+    python -m bench.resume --long 131072 --model qwen2.5-coder-0.5b-instruct [--decode-tokens N]
 
 `--long TOKENS` measures instead a real conversation past the model's window: a ChatService reads
 a document of TOKENS essay tokens and answers once from nothing (the recompute), then a fresh
-process resumes it for the next questions (section resume-long).
+process resumes it for the next questions (section resume-long), and times a longer reply's decode
+there and in an 8K-token conversation, both through the service.
 
 The resumes of each row run in one **fresh process** (a restart: model loaded, nothing else
 in RAM), each through a new service and Store on the data directory, timed from the call to
@@ -48,6 +49,10 @@ LONG = 16 * SPAN  # 32K tokens
 DOC_TOKENS = 7900  # essay tokens in the system message: the conversation ends just under 8K
 QUESTIONS = ("And the second one?", "Which essay is the longest?", "Name one idea they share.",
              "Who wrote them?", "Any advice for founders?")
+# --long's decode measurement: a reply long enough to time (greedy replies to short questions
+# stop after a dozen tokens), asked of the resumed long conversation and of an 8K one
+DECODE_QUESTION = "Summarise each of the essays in three sentences."
+DECODE_TOKENS = 96
 RUNS = len(QUESTIONS)  # resumes per row; the median is the row's value (the minimum is shown too)
 
 
@@ -83,12 +88,12 @@ def warm_up(engine, home: Path) -> None:
     warming.close()
 
 
-def service(engine, home: Path):
+def service(engine, home: Path, max_new_tokens: int = 4):
     from chat.service import ChatService
     from chat.config import AppConfig
     from spotlight.config import SamplingConfig
 
-    return ChatService(AppConfig(home=home, sampling=SamplingConfig(max_new_tokens=4)), _engine=engine)
+    return ChatService(AppConfig(home=home, sampling=SamplingConfig(max_new_tokens=max_new_tokens)), _engine=engine)
 
 
 # ----------------------------------------------------------------------------- 8K: a real conversation
@@ -266,8 +271,10 @@ def write_long(engine, home: Path, n_tokens: int) -> tuple[str, float]:
     return session.id, attached + seconds
 
 
-def resume_long(home: str, session_id: str, model: str, threads: int | None) -> dict:
-    """In a fresh process: one new service per question (the 2nd to the last); TTFT of each."""
+def resume_long(home: str, session_id: str, model: str, threads: int | None, decode_tokens: int) -> dict:
+    """In a fresh process: one new service per question (the 2nd to the last); TTFT of each. Then,
+    with `decode_tokens` > 0, the decode speed of a longer reply through the service (its sources
+    tally included), in the long conversation and in a new 8K-token one in the same process."""
     engine = load_engine(True, threads, model)
     warm_up(engine, Path(home))
     times, turn = [], None
@@ -279,30 +286,61 @@ def resume_long(home: str, session_id: str, model: str, threads: int | None) -> 
             f"{turn.prefill_tokens:,} computed) {turn.notices or ''}")
         assert not turn.notices, f"the cache was not reused: {turn.notices}"
         times.append(seconds)
-    return {"times": times, "restored": turn.restored_tokens, "computed": turn.prefill_tokens}
+    resumed = {"times": times, "restored": turn.restored_tokens, "computed": turn.prefill_tokens}
+    if decode_tokens:
+        resumed["decode_long"] = decode_reply(engine, Path(home), session_id, decode_tokens)
+        resumed["decode_8k"] = decode_reply(engine, Path(home), None, decode_tokens)
+    return resumed
 
 
-def long_row(engine, home: Path, n_tokens: int, model: str, threads: int | None) -> dict:
+def decode_reply(engine, home: Path, session_id: str | None, decode_tokens: int) -> dict:
+    """Decode tokens/s of DECODE_QUESTION's reply (at most `decode_tokens`) through a new service:
+    in the conversation `session_id`, or (None) in a new one holding DOC_TOKENS essay tokens."""
+    from bench.decode import essay_ids
+
+    writer = service(engine, home, max_new_tokens=decode_tokens)
+    if session_id is None:
+        session_id = writer.create("resume bench, decode at 8K").id
+        writer.attach_text(session_id, "essays.txt", engine.tokenizer.decode(essay_ids(engine.tokenizer, DOC_TOKENS)))
+    turn = None
+    for turn in writer.send(session_id, DECODE_QUESTION):
+        pass
+    writer.close()
+    context = turn.restored_tokens + turn.prefill_tokens + turn.decode_tokens
+    log(f"long: decode {turn.decode_tps:.2f} tokens/s over {turn.decode_tokens} tokens at {context:,} tokens")
+    return {"tps": turn.decode_tps, "tokens": turn.decode_tokens, "context": context}
+
+
+def long_row(engine, home: Path, n_tokens: int, model: str, threads: int | None, decode_tokens: int) -> dict:
     log(f"long: reading a {n_tokens:,}-token document and answering (many minutes) ...")
     session_id, recompute_s = write_long(engine, home, n_tokens)
     log(f"long: first answer after {recompute_s:.0f} s; resuming in a new process ...")
-    resumed = in_subprocess(resume_long, str(home), session_id, model, threads)
+    resumed = in_subprocess(resume_long, str(home), session_id, model, threads, decode_tokens)
     log(f"long: resume TTFT {resumed['times']} s")
     resume_s = statistics.median(resumed["times"])
     context = resumed["restored"] + resumed["computed"]
-    return {"context": context, "data": "real document (essays), past the window", "resume_ttft_s": resume_s,
-            "resume_min_s": min(resumed["times"]), "resume_first_s": resumed["times"][0],
-            "resume_runs": len(resumed["times"]), "recompute_ttft_s": recompute_s,
-            "recompute": "measured (the first question, from nothing)", "speedup": recompute_s / resume_s,
-            "restored_tokens": resumed["restored"], "computed_tokens": resumed["computed"]}
+    row = {"context": context, "data": "real document (essays), past the window", "resume_ttft_s": resume_s,
+           "resume_min_s": min(resumed["times"]), "resume_first_s": resumed["times"][0],
+           "resume_runs": len(resumed["times"]), "recompute_ttft_s": recompute_s,
+           "recompute": "measured (the first question, from nothing)", "speedup": recompute_s / resume_s,
+           "restored_tokens": resumed["restored"], "computed_tokens": resumed["computed"]}
+    if decode_tokens:
+        long, short = resumed["decode_long"], resumed["decode_8k"]
+        row.update({"decode_tps": long["tps"], "decode_tokens": long["tokens"], "decode_tps_8k": short["tps"],
+                    "decode_tokens_8k": short["tokens"], "context_8k": short["context"],
+                    "decode_ratio": long["tps"] / short["tps"]})
+    return row
 
 
 def main_long(args) -> int:
     engine = load_engine(True, args.threads, args.model)
     with tempfile.TemporaryDirectory(prefix="spotlight-resume-") as tmp:
-        row = long_row(engine, Path(tmp), args.long, args.model, args.threads)
+        row = long_row(engine, Path(tmp), args.long, args.model, args.threads, args.decode_tokens)
     targets = [Target(f"resume TTFT at {row['context']:,} tokens (s)", row["resume_ttft_s"], 2.0,
                       higher_is_better=False)]
+    if args.decode_tokens:
+        targets.append(Target(f"decode tokens/s through the service at {row['context']:,} tokens / at "
+                              f"{row['context_8k']:,}", row["decode_ratio"], 0.7))
     notes = (
         f"{Path(args.model).name} on CPU with Spotlight (its shipped encoders; native window "
         f"{engine.native_window:,} tokens), {args.threads or torch.get_num_threads()} torch thread(s). A ChatService "
@@ -316,6 +354,14 @@ def main_long(args) -> int:
     )
     columns = ["context", "data", "resume_ttft_s", "resume_min_s", "resume_first_s", "resume_runs",
                "recompute_ttft_s", "recompute", "speedup", "restored_tokens", "computed_tokens"]
+    if args.decode_tokens:
+        notes += (f" Decode through the service (issue #21's decode target, on the path a reply takes, its sources "
+                  f"tally included): in the same restarted process, after the resumes, a new ChatService asks "
+                  f"{DECODE_QUESTION!r} (greedy, at most {args.decode_tokens} new tokens) of the long conversation "
+                  f"(decode_tps, Turn.decode_tps over decode_tokens), then of a new conversation holding the "
+                  f"first {DOC_TOKENS:,} essay tokens (decode_tps_8k at context_8k tokens, prompt and reply "
+                  f"included); decode_ratio = decode_tps / decode_tps_8k, one reply each.")
+        columns += ["decode_tps", "decode_tokens", "decode_tps_8k", "decode_tokens_8k", "context_8k", "decode_ratio"]
     finish("resume-long", args, [row], targets, title="Resume of a long document past the window (issue #21)",
            notes=notes, columns=columns, command=f"resume --long {args.long} --model {args.model}")
     return 0
@@ -336,6 +382,9 @@ def main(argv=None) -> int:
                    help="instead: resume a real conversation over a document of this many tokens, read past the "
                         "model's window through Spotlight (its own section, resume-long)")
     p.add_argument("--model", default=SMALL_MODEL, metavar="NAME|PATH", help=f"with --long (default {SMALL_MODEL})")
+    p.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, metavar="N",
+                   help=f"with --long: also time a reply of at most N tokens through the service in the long "
+                        f"conversation and in an 8K one (default {DECODE_TOKENS}; 0: skip)")
     args = p.parse_args(argv)
     if args.long:
         return main_long(args)
