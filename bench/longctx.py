@@ -71,6 +71,8 @@ def _needle(kind: str, subject: str, answer: str, depth: float) -> Needle:
 
 # Each needle has its own frame: with one frame for all ten ("... for the city of X is NNNN."), the
 # 135M model answered with another needle's value (measured in the smoke run, dense at 7.6K: 0 of 3).
+# Twenty per length (the issue asks for 20 or more per cell): the first ten at depths 0.05-0.95 (the
+# runs before session 17 had only these), ten more between them at 0.10-0.90 and 0.98.
 NEEDLES = (
     _needle("number", "special magic number for the city of Lisbon", "7481", 0.05),
     _needle("phrase", "secret word for the old harbor", "blue lantern", 0.15),
@@ -82,7 +84,19 @@ NEEDLES = (
     _needle("phrase", "nickname of the bakery's cat", "copper violin", 0.75),
     _needle("number", "PIN of the Lima bank account", "8426", 0.85),
     _needle("phrase", "title of Maria's first painting", "amber compass", 0.95),
+    _needle("phrase", "name of the lighthouse keeper's boat", "quiet heron", 0.10),
+    _needle("number", "gate code of the Quito warehouse", "5092", 0.20),
+    _needle("phrase", "codeword of the Tuesday reading group", "marble orchard", 0.30),
+    _needle("number", "seat number on the Cairo night train", "4268", 0.40),
+    _needle("phrase", "name of the garden's oldest rose", "winter ember", 0.50),
+    _needle("number", "safe combination in the Dublin hotel", "3586", 0.60),
+    _needle("phrase", "label on the museum's hidden drawer", "golden thimble", 0.70),
+    _needle("number", "badge number of the Lagos inspector", "6841", 0.80),
+    _needle("phrase", "password of the river boat club", "hollow maple", 0.90),
+    _needle("number", "parcel number at the Manila post office", "2397", 0.98),
 )
+N_NUMBERS = sum(n.kind == "number" for n in NEEDLES)
+N_PHRASES = len(NEEDLES) - N_NUMBERS
 
 
 def plant(body: Sequence, needles: Sequence[tuple[float, Sequence]], snap: Callable[[Sequence, int], int]) -> list:
@@ -307,7 +321,8 @@ def needle_rows(lengths, n_tokens, cells, methods=METHODS) -> list[dict]:
     for length in lengths:
         for method in methods:
             mine = cells[(length, method)]
-            summary.append({"part": "needles found (of 10: 5 numbers + 5 phrases)", "length": f"{length:,}",
+            summary.append({"part": f"needles found (of {len(NEEDLES)}: {N_NUMBERS} numbers + {N_PHRASES} phrases)",
+                            "length": f"{length:,}",
                             "prompt tokens": n_tokens[length], "method": method,
                             "found": sum(r["found"] for r in mine),
                             "numbers": sum(r["found"] for r, n in zip(mine, NEEDLES) if n.kind == "number"),
@@ -316,7 +331,7 @@ def needle_rows(lengths, n_tokens, cells, methods=METHODS) -> list[dict]:
                             "mean answer log-prob": sum(r["logprob"] for r in mine) / len(mine)})
     detail = []
     for length in lengths:
-        for i, needle in enumerate(NEEDLES):
+        for i, needle in sorted(enumerate(NEEDLES), key=lambda item: item[1].depth):  # by depth
             row = {"part": "each needle: found, answer log-prob", "length": f"{length:,}", "depth": needle.depth,
                    "answer": needle.answer}
             for method in methods:
@@ -417,8 +432,9 @@ def notes_for(engine, lengths, reference_tokens, seconds) -> str:
         f"The model {Path(engine.source.origin).name} ({engine.config.weights} "
         f"weights, native window {engine.native_window:,} tokens), through the engine's front door. At each length "
         f"({', '.join(f'{n:,}' for n in lengths)} tokens) one chat prompt of Paul Graham essays (held out from the "
-        f"encoders' training) holds 10 needles at depths 0.05-0.95, 5 numbers (\"The special magic number for the "
-        f"city of Lisbon is 7481.\", \"The locker code at the Nairobi train station is 6137.\", ...) and 5 "
+        f"encoders' training) holds {len(NEEDLES)} needles at depths {min(n.depth for n in NEEDLES)}-"
+        f"{max(n.depth for n in NEEDLES)}, {N_NUMBERS} numbers (\"The special magic number for the "
+        f"city of Lisbon is 7481.\", \"The locker code at the Nairobi train station is 6137.\", ...) and {N_PHRASES} "
         f"phrases (\"The secret word for the old harbor is 'blue lantern'.\", ...), each with its own frame; it is prefilled once, "
         f"then each question is appended in turn, answered greedily ({NEW_TOKENS} tokens; found = the answer is in "
         f"the reply) and truncated back; beside it the log-probability of the answer tokens teacher-forced after the "

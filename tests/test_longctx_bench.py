@@ -25,11 +25,15 @@ def test_found_ignores_case_and_quotes_and_needs_the_whole_answer():
             found("the number is 7481.", "7481"), found("blue", "blue lantern")] == [True, False, True, False]
 
 
-def test_the_needles_cover_two_formats_at_five_depths_each_with_distinct_answers():
+def test_the_needles_cover_two_formats_at_ten_depths_each_with_distinct_answers():
     kinds = {kind: sorted(n.depth for n in NEEDLES if n.kind == kind) for kind in ("number", "phrase")}
-    assert kinds == {"number": [0.05, 0.25, 0.45, 0.65, 0.85], "phrase": [0.15, 0.35, 0.55, 0.75, 0.95]}
+    assert kinds == {"number": [0.05, 0.2, 0.25, 0.4, 0.45, 0.6, 0.65, 0.8, 0.85, 0.98],
+                     "phrase": [0.1, 0.15, 0.3, 0.35, 0.5, 0.55, 0.7, 0.75, 0.9, 0.95]}
     assert len({n.answer for n in NEEDLES}) == len({n.question for n in NEEDLES}) == len(NEEDLES)
+    assert len({n.frame for n in NEEDLES}) == len(NEEDLES)  # each its own frame
     assert all(n.answer in n.sentence and n.answer not in n.question for n in NEEDLES)
+    # no answer holds another (found() matches substrings)
+    assert [(a.answer, b.answer) for a in NEEDLES for b in NEEDLES if a is not b and a.answer in b.answer] == []
 
 
 def test_the_forced_reply_is_the_needle_sentence_up_to_its_answer():
@@ -41,7 +45,8 @@ def test_the_forced_reply_is_the_needle_sentence_up_to_its_answer():
 
 def test_a_run_of_fewer_methods_tabulates_only_those_beside_the_reference():
     hit, miss = {"found": True, "logprob": -0.5, "reply": "yes"}, {"found": False, "logprob": -9.0, "reply": "no"}
-    cells = {(100, "spotlight"): [hit] * 4 + [miss] * 6, (100, "dense in window"): [hit] * 8 + [miss] * 2}
+    n = len(NEEDLES)
+    cells = {(100, "spotlight"): [hit] * 4 + [miss] * (n - 4), (100, "dense in window"): [hit] * 8 + [miss] * (n - 8)}
     rows = needle_rows([100], {100: 98}, cells, ("spotlight", "dense in window"))
     summary = [(r["method"], r["found"], r["of dense in window's"]) for r in rows if "method" in r]
     assert summary == [("spotlight", 4, 4), ("dense in window", 8, 8)]
