@@ -22,7 +22,8 @@ stating a value of the expected kind, over the questions whose kind has detectab
 sources_shown (the reply came with sources: only those related to the reply are shown,
 chat/sources.py), top_source_hit (the first source's quote contains an accepted answer, over
 all questions), sources_right (the same over the replies that showed sources), document
-prefill tok/s (the first question of each excerpt, which computes it) and decode tok/s
+prefill tok/s (the first question of each excerpt, which computes it: its prompt tokens over its
+seconds less its decode time) and decode tok/s
 (median over replies).
 """
 from __future__ import annotations
@@ -58,6 +59,7 @@ QUICK_LENGTHS = (2048,)
 LENGTHS = (2048, 8192)
 FULL_LENGTHS = (2048, 8192, 32768)
 BASELINE = "smollm2-135m-instruct"  # the default model today
+TARGET_LENGTH = 8192  # the issue's accuracy targets are at 8K (SmolLM2's window)
 TEXT_KINDS = ("essay", "play", "scripture", "technical", "planted")
 # Spotlight's shipped encoders were trained on Shakespeare and the KJV (spotlight/corpus.py);
 # essays, Python docs and planted facts are held out.
@@ -203,7 +205,7 @@ def summarise(run: RunConfig, length: int, block: list[dict], seconds: float, lo
         return sum(a[key] for a in items) / len(items) if items else float("nan")
 
     valued = [a for a in block if a["kind"] in KINDS_WITH_VALUES]
-    firsts = [a["prefill_tps"] for a in block if a["first_of_document"] and a["prefill_tps"]]
+    firsts = [rate for a in block if a["first_of_document"] and (rate := document_prefill_tps(a))]
     shares = [a["read_share"] for a in block if a["read_share"] is not None]
     row = {"model": run.model, "attention": "spotlight" if run.spotlight else "dense", "length": length,
            "questions": len(block), "accuracy": share(block, "correct"),
@@ -220,13 +222,25 @@ def summarise(run: RunConfig, length: int, block: list[dict], seconds: float, lo
     return row
 
 
+def document_prefill_tps(answer: dict) -> float | None:
+    """Tokens/s of the first question of an excerpt, which reads it: its prompt tokens over its
+    seconds less its decode time. (Turn.prefill_tps covers only the last stage of a document read
+    in stages, AppConfig.checkpoint_tokens.) None when the reply's decode time is unknown."""
+    if not answer.get("decode_tps") or not answer.get("prefill_tokens"):
+        return None
+    reading = answer["seconds"] - answer["decode_tokens"] / answer["decode_tps"]
+    return answer["prefill_tokens"] / reading if reading > 0 else None
+
+
 def compute_targets(rows: list[dict], default: str | None) -> list[Target]:
-    """The issue's targets, from the rows: the proposed default's accuracy at the longest length
-    measured (>= 60 % and >= 3x SmolLM2's) and Spotlight within 3 points of dense everywhere."""
+    """The issue's targets, from the rows: the proposed default's accuracy at 8K (TARGET_LENGTH; the
+    longest length measured when 8K was not) >= 60 % and >= 3x SmolLM2's, and Spotlight within 3
+    points of dense everywhere."""
     dense = {(r["model"], r["length"]): r["accuracy"] for r in rows if r["attention"] == "dense"}
     targets = []
     if dense:
-        length = max(length for _, length in dense)
+        lengths = {length for _, length in dense}
+        length = TARGET_LENGTH if TARGET_LENGTH in lengths else max(lengths)
         at = {model: acc for (model, l), acc in dense.items() if l == length}
         chosen = default if default in at else max(at, key=at.get)
         targets.append(Target(f"{chosen} dense accuracy at {length} tokens", at[chosen], 0.60))
@@ -407,7 +421,8 @@ def _notes(questions, skipped, system_prompt, penalty, tokens) -> str:
         f"chat/sources.py); top_source_hit: the first source quote contains an accepted answer (over all "
         f"questions); sources_right: the same over the replies that showed sources. doc_prefill_tps: median "
         f"over the first question of each "
-        f"excerpt (which prefills it); decode_tps: median over replies (the app's default 2 kernel threads). "
+        f"excerpt (which prefills it: its prompt tokens over its seconds, from the attach to the reply's end, "
+        f"less its decode time); decode_tps: median over replies (the app's default 2 kernel threads). "
         f"Spotlight runs each model's shipped trained encoders (spotlight/checkpoints/). seconds: the row's "
         f"questions; load_s: the model load (and conversion on first use). read_share: the mean share of the "
         f"context a decode step read (Turn.read_share; 1.0 = dense): Spotlight runs densely below "

@@ -195,3 +195,19 @@ def test_rescore_refuses_a_block_question_saved_by_two_runs(tmp_path):
         main(["--rescore", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--no-results"])
     assert str(refused.value) == (f"qwen dense 8192: question {questions[0].id!r} is in both {tmp_path / 'a.json'} "
                                   f"and {tmp_path / 'b.json'}; give each block's replies from one run only")
+
+
+def test_the_accuracy_targets_are_at_8k_when_a_longer_length_ran_too():
+    rows = [{"model": m, "attention": "dense", "length": n, "questions": 10, "accuracy": acc}
+            for m, n, acc in (("smollm2-135m-instruct", 8192, 0.1), ("qwen", 8192, 0.7), ("qwen", 32768, 0.4))]
+    got = [(t.name, round(t.value, 3), t.met) for t in compute_targets(rows, "qwen")]
+    assert got == [("qwen dense accuracy at 8192 tokens", 0.7, True),
+                   ("qwen / smollm2-135m-instruct accuracy at 8192 tokens (x; smollm2-135m-instruct floored at 1/10)",
+                    7.0, True)]
+
+
+def test_a_documents_prefill_rate_is_its_prompt_over_the_reply_time_less_decoding():
+    from bench.docqa import document_prefill_tps
+
+    read = {"prefill_tokens": 30000, "seconds": 402.0, "decode_tokens": 40, "decode_tps": 20.0}
+    assert [document_prefill_tps(read), document_prefill_tps({**read, "decode_tps": 0.0})] == [75.0, None]
