@@ -335,10 +335,11 @@ def rescore(args) -> int:
         blocks.setdefault((answer["model"], answer["spotlight"], answer["length"]), []).append(answer)
     models = list(dict.fromkeys(a["model"] for a in answers))  # the order the runs asked them in
     order = sorted(blocks, key=lambda b: (b[1], models.index(b[0]), b[2]))  # dense first, as a run writes them
-    rows = [summarise(RunConfig(model, spotlight, (length,)), length, blocks[model, spotlight, length],
-                      sum(a["seconds"] for a in blocks[model, spotlight, length]),
-                      blocks[model, spotlight, length][0].get("load_s", float("nan")))
-            for model, spotlight, length in order]
+    rows = []
+    for model, spotlight, length in order:
+        block = blocks[model, spotlight, length]
+        rows.append(summarise(RunConfig(model, spotlight, (length,)), length, block, sum(a["seconds"] for a in block),
+                              block[0].get("load_s", float("nan"))))
     asked = [by_id[i] for i in dict.fromkeys(a["id"] for a in answers)]
     runs = "; ".join(f"{path.name} ({what})" for path, what in _runs_of(answers, origin).items())
     tokens = sorted({(a["length"], a["excerpt_tokens"]) for a in answers if "excerpt_tokens" in a})
@@ -367,13 +368,16 @@ def join_answers(paths: list[Path]) -> tuple[list[dict], dict[int, Path]]:
         for answer in saved:
             where = (answer["model"], answer["spotlight"], answer["length"], answer["id"])
             if where in seen:
-                raise SystemExit(f"{answer['model']} {'spotlight' if answer['spotlight'] else 'dense'} "
-                                 f"{answer['length']}: question {answer['id']!r} is in both {seen[where]} and "
-                                 f"{path}; give each block's replies from one run only")
+                raise SystemExit(f"{_model_attention(answer)} {answer['length']}: question {answer['id']!r} is in "
+                                 f"both {seen[where]} and {path}; give each block's replies from one run only")
             seen[where] = path
             origin[id(answer)] = path
             answers.append(answer)
     return answers, origin
+
+
+def _model_attention(answer: dict) -> str:
+    return f"{answer['model']} {'spotlight' if answer['spotlight'] else 'dense'}"
 
 
 def _runs_of(answers: list[dict], origin: dict[int, Path]) -> dict[Path, str]:
@@ -382,8 +386,7 @@ def _runs_of(answers: list[dict], origin: dict[int, Path]) -> dict[Path, str]:
     measured: dict[Path, set[str]] = {}
     for answer in answers:
         path = origin[id(answer)]
-        lengths = blocks.setdefault(path, {}).setdefault(
-            f"{answer['model']} {'spotlight' if answer['spotlight'] else 'dense'}", [])
+        lengths = blocks.setdefault(path, {}).setdefault(_model_attention(answer), [])
         if answer["length"] not in lengths:
             lengths.append(answer["length"])
         if answer.get("measured"):

@@ -101,14 +101,20 @@ def service(engine, home: Path, max_new_tokens: int = 4):
 
 def write_conversation(engine, home: Path) -> str:
     """Compute and store a ~8K-token conversation; returns its session id."""
-    from bench.decode import essay_ids
-
     writer = service(engine, home)
-    session = writer.create("resume bench")
-    writer.attach_text(session.id, "essays.txt", engine.tokenizer.decode(essay_ids(engine.tokenizer, DOC_TOKENS)))
+    session = essay_conversation(writer, engine, "resume bench", DOC_TOKENS)
     first_turn_seconds(writer.send(session.id, "Summarise the first essay in one sentence."))
     writer.close()
     return session.id
+
+
+def essay_conversation(writer, engine, title: str, n_tokens: int):
+    """A new conversation of `writer` (a ChatService) holding `n_tokens` essay tokens as a document."""
+    from bench.decode import essay_ids
+
+    session = writer.create(title)
+    writer.attach_text(session.id, "essays.txt", engine.tokenizer.decode(essay_ids(engine.tokenizer, n_tokens)))
+    return session
 
 
 def resume_conversation(home: str, session_id: str, spotlight: bool, threads: int | None) -> dict:
@@ -296,12 +302,9 @@ def resume_long(home: str, session_id: str, model: str, threads: int | None, dec
 def decode_reply(engine, home: Path, session_id: str | None, decode_tokens: int) -> dict:
     """Decode tokens/s of DECODE_QUESTION's reply (at most `decode_tokens`) through a new service:
     in the conversation `session_id`, or (None) in a new one holding DOC_TOKENS essay tokens."""
-    from bench.decode import essay_ids
-
     writer = service(engine, home, max_new_tokens=decode_tokens)
     if session_id is None:
-        session_id = writer.create("resume bench, decode at 8K").id
-        writer.attach_text(session_id, "essays.txt", engine.tokenizer.decode(essay_ids(engine.tokenizer, DOC_TOKENS)))
+        session_id = essay_conversation(writer, engine, "resume bench, decode at 8K", DOC_TOKENS).id
     turn = None
     for turn in writer.send(session_id, DECODE_QUESTION):
         pass
@@ -386,6 +389,8 @@ def main(argv=None) -> int:
                    help=f"with --long: also time a reply of at most N tokens through the service in the long "
                         f"conversation and in an 8K one (default {DECODE_TOKENS}; 0: skip)")
     args = p.parse_args(argv)
+    if args.decode_tokens < 0:
+        p.error(f"--decode-tokens: give a number of reply tokens to time, or 0 to skip; got {args.decode_tokens}")
     if args.long:
         return main_long(args)
     load_before = os.getloadavg()[0]

@@ -211,3 +211,15 @@ def test_a_documents_prefill_rate_is_its_prompt_over_the_reply_time_less_decodin
 
     read = {"prefill_tokens": 30000, "seconds": 402.0, "decode_tokens": 40, "decode_tps": 20.0}
     assert [document_prefill_tps(read), document_prefill_tps({**read, "decode_tps": 0.0})] == [75.0, None]
+
+
+def test_rescore_refuses_a_file_that_is_not_saved_replies(tmp_path):
+    from bench.docqa import main
+
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"id": "visa-2500", "reply": ')  # cut off mid-write
+    with pytest.raises(SystemExit) as refused:
+        main(["--rescore", str(broken), "--no-results"])
+    assert str(refused.value).startswith(f"{broken}: cannot read saved replies (")
+    assert str(refused.value).endswith("); give the --answers file of a bench.docqa run")
+
