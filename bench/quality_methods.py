@@ -144,6 +144,9 @@ class RetrievalProbe:
         for name, method in self.methods.items():
             method.selector.on_new_tokens(layer, q, k, self.view(name, cache))
 
+    def dense_step(self, n_tokens: int) -> bool:
+        return False  # each layer's decode scores the methods' selections
+
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         n = cache.length + 1
         H, _, D = q.shape

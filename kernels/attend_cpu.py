@@ -244,6 +244,13 @@ class AttendScratch:
         return self.scaled_q.shape == (hkv, heads // hkv, dim)
 
 
+def attend_splits(count: int, scratch: AttendScratch) -> tuple[int, int]:
+    """(workers, splits) for `count` rows per head: the kernels' threads the scratch has room for,
+    and into how many runs each head's rows are cut (one per worker, above MIN_SPLIT_ROWS each)."""
+    workers = min(threads(), scratch.scores.shape[0])
+    return workers, workers if count >= MIN_SPLIT_ROWS * workers else 1
+
+
 def make_attend_scratch(q, k) -> AttendScratch:
     """Buffers for attend / gather_attend of q (H, D) over k (Hkv, Ncap, D); allocate once, reuse."""
     return new_attend_scratch(q.shape[0], k.shape[0], k.shape[-1])
@@ -323,8 +330,7 @@ def remapped_attend(q, k, v, idx, base: int, moved: int, lo_table, hi_table, blo
     if not buf.fits(qa.shape[0], hkv, dim):
         raise ValueError("scratch was made for other head counts or head dim: call make_attend_scratch again")
     count = rows.shape[1]
-    workers = min(threads(), buf.scores.shape[0])
-    splits = workers if count >= MIN_SPLIT_ROWS * workers else 1
+    workers, splits = attend_splits(count, buf)
     status = _NATIVE.attend_decode(
         qa.ctypes.data, qa.shape[0], hkv, dim, ka.ctypes.data, va.ctypes.data, ka.strides[0] // ka.itemsize,
         rows.ctypes.data, count, count, splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data,
@@ -384,8 +390,7 @@ def _run(q, k, v, rows, count, dest, scratch, native=True):
     buf = scratch if scratch is not None else new_attend_scratch(q.shape[0], hkv, dim)
     if not buf.fits(q.shape[0], hkv, dim):
         raise ValueError("scratch was made for other head counts or head dim: call make_attend_scratch again")
-    workers = min(threads(), buf.scores.shape[0])
-    splits = workers if count >= MIN_SPLIT_ROWS * workers else 1
+    workers, splits = attend_splits(count, buf)
     half = k.dtype == np.float16
     if native and c_attend_fits(q.shape[0], hkv, dim) and k.strides == v.strides and (C_ATTEND_F16 or not half):
         # kernels/attend.c: the same arithmetic, two queries per row load (its header); fp16 rows

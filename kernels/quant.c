@@ -959,3 +959,81 @@ int quant_decode_tail(const float *x, int64_t dim, const float *attn, int64_t at
     for (int64_t i = 0; i < dim; i++) out[i] = out[i] + h[i];
     return 0;
 }
+
+/* ============================================================ a whole one-token step (issue #20)
+
+   quant_decode_step runs every block of a decode step in one call, for a step that attends to all
+   cached rows in every layer (spotlight/attention.py DecodePolicy.reads_every_row; spotlight/
+   quantized.py FusedStep): per layer, quant_decode_head; the new key and value rows stored into
+   the cache at `row` (fp16 rounded to nearest even, as torch's copy rounds, or fp32 as they are);
+   attend.c's attend_decode over rows [0, row]; quant_decode_tail, whose output is the next
+   block's input. The arithmetic is exactly the per-layer calls'; what goes is the Python between
+   them (about 60 us a layer: the cache write, the policy, the attention call's checks). Built
+   with the SIMD kernels only (attend.c's attend_decode needs AVX2 + FMA, fp16 rows F16C). */
+#if QUANT_SIMD
+typedef struct {
+    const float *attention_norm, *ffn_norm;   /* (dim,) each */
+    const quant_part *qkv, *wo, *gate_up, *down;
+    float *h, *qkv_out, *ff, *act, *out;      /* the block's buffers (FusedDecode's) */
+    uint8_t *scratch;
+    float attention_eps, ffn_eps;
+    int32_t n_qkv, n_wo, n_gate_up, n_down;
+} quant_block;
+
+int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k, const void *v,
+                  int64_t head_stride, const int32_t *rows, int64_t rows_stride, int64_t count, int splits,
+                  float *qs, float *stats, float *acc, float *out, int threads, int half,
+                  const float *rot_lo, const float *rot_hi, int64_t rot_block, int64_t base, int64_t moved);
+
+/* The kv_heads rows of head_dim values at src into dst's row `row` of each head (head_stride
+   elements apart): fp16 (half) or fp32. */
+static void store_rows(const float *src, void *dst, int64_t kv_heads, int64_t head_dim, int64_t head_stride,
+                      int64_t row, int half) {
+    for (int64_t h = 0; h < kv_heads; h++) {
+        const float *s = src + h * head_dim;
+        if (!half) {
+            memcpy((float *)dst + h * head_stride + row * head_dim, s, sizeof(float) * (size_t)head_dim);
+            continue;
+        }
+        uint16_t *d = (uint16_t *)dst + h * head_stride + row * head_dim;
+        int64_t i = 0;
+        for (; i + 8 <= head_dim; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < head_dim; i++) d[i] = _cvtss_sh(s[i], _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
+/* x (dim,) the step's embedding -> blocks[n_blocks - 1].out (dim,). k, v: the cache's rows
+   (L, kv_heads, Ncap, head_dim), fp16 (half) or fp32, layer_stride and head_stride elements
+   apart; the step's token sits at `row` and attends to rows [0, row]. cos, sin (head_dim,) its
+   rotation. qs, stats, acc, attn: attend_decode's buffers (kernels/attend_cpu.py AttendScratch)
+   for `splits` runs per head, attn (heads * head_dim,) the attention output. Returns 0, or
+   -(layer + 1) of the first block that failed (a part without a kernel, attend.c's geometry
+   limits). */
+int quant_decode_step(const quant_block *blocks, int n_blocks, const float *x, int64_t dim, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t width, const float *cos, const float *sin, void *k,
+                      void *v, int64_t layer_stride, int64_t head_stride, int64_t row, int half, int splits,
+                      float *qs, float *stats, float *acc, float *attn, int threads) {
+    size_t item = half ? 2 : 4;
+    int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    const float *in = x;
+    for (int i = 0; i < n_blocks; i++) {
+        const quant_block *b = blocks + i;
+        char *kl = (char *)k + (size_t)i * (size_t)layer_stride * item;
+        char *vl = (char *)v + (size_t)i * (size_t)layer_stride * item;
+        if (quant_decode_head(in, dim, b->attention_norm, b->attention_eps, b->qkv, b->n_qkv, (int)(heads + kv_heads),
+                              (int)head_dim, cos, sin, b->h, b->scratch, b->qkv_out, threads))
+            return -(i + 1);
+        store_rows(b->qkv_out + q_size, kl, kv_heads, head_dim, head_stride, row, half);
+        store_rows(b->qkv_out + q_size + kv_size, vl, kv_heads, head_dim, head_stride, row, half);
+        if (attend_decode(b->qkv_out, heads, kv_heads, head_dim, kl, vl, head_stride, NULL, 0, row + 1, splits, qs,
+                          stats, acc, attn, threads, half, NULL, NULL, 0, 0, 0) ||
+            quant_decode_tail(in, dim, attn, q_size, b->wo, b->n_wo, b->ffn_norm, b->ffn_eps, b->gate_up,
+                              b->n_gate_up, width, b->down, b->n_down, b->h, b->ff, b->act, b->scratch, b->out,
+                              threads))
+            return -(i + 1);
+        in = b->out;
+    }
+    return 0;
+}
+#endif

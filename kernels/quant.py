@@ -287,6 +287,11 @@ def _load_library(path: Path = LIBRARY):
         lib.quant_decode_tail.argtypes = [ptr, i64, ptr, i64, part, c_int, ptr, f32, part, c_int, i64, part, c_int,
                                           ptr, ptr, ptr, ptr, ptr, c_int]
         lib.quant_decode_tail.restype = c_int
+    if hasattr(lib, "quant_decode_step"):  # the SIMD build has the whole step (attend.c's attention)
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.quant_decode_step.argtypes = [ctypes.POINTER(QuantBlock), c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr,
+                                          ptr, ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, ptr, c_int]
+        lib.quant_decode_step.restype = c_int
     return lib, ""
 
 
@@ -296,6 +301,19 @@ class QuantPart(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("x16", ctypes.c_int32), ("blocks", ctypes.c_void_p),
                 ("row_bytes", ctypes.c_int64), ("blocks_per_row", ctypes.c_int64), ("rows", ctypes.c_int64),
                 ("bias", ctypes.c_void_p)]
+
+
+class QuantBlock(ctypes.Structure):
+    """quant.c's quant_block: one block's norms, product parts and buffers (spotlight/quantized.py
+    FusedDecode.block), for decode_step."""
+
+    _fields_ = [("attention_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                ("qkv", ctypes.POINTER(QuantPart)), ("wo", ctypes.POINTER(QuantPart)),
+                ("gate_up", ctypes.POINTER(QuantPart)), ("down", ctypes.POINTER(QuantPart)),
+                ("h", ctypes.c_void_p), ("qkv_out", ctypes.c_void_p), ("ff", ctypes.c_void_p),
+                ("act", ctypes.c_void_p), ("out", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
+                ("attention_eps", ctypes.c_float), ("ffn_eps", ctypes.c_float), ("n_qkv", ctypes.c_int32),
+                ("n_wo", ctypes.c_int32), ("n_gate_up", ctypes.c_int32), ("n_down", ctypes.c_int32)]
 
 
 _LIB, C_MISSING = _load_library()  # C_MISSING: why the C kernels are unavailable ("" when loaded)
@@ -426,3 +444,20 @@ def decode_tail(x_ptr, dim, attn_ptr, attn_dim, wo, n_wo, norm_ptr, eps, gate_up
                               down, n_down, h_ptr, ff_ptr, act_ptr, scratch_ptr, out_ptr,
                               threads() if C_THREADS else 1):
         raise ValueError("quant_decode_tail: a part's format has no C kernel for its activations")
+
+
+# ------------------------------------------------------------- a whole one-token step (quant.c)
+C_STEP = bool(_LIB is not None and hasattr(_LIB, "quant_decode_step"))  # the SIMD build has it
+
+
+def decode_step(blocks, n_blocks, x_ptr, dim, heads, kv_heads, head_dim, width, cos_ptr, sin_ptr, k_ptr, v_ptr,
+                layer_stride, head_stride, row, half, splits, qs_ptr, stats_ptr, acc_ptr, attn_ptr) -> None:
+    """quant.c's quant_decode_step on raw addresses the caller has checked (spotlight/quantized.py
+    FusedStep): every block of a one-token step, attending to all cached rows [0, row], on
+    kernels.set_threads(n) threads."""
+    status = _LIB.quant_decode_step(blocks, n_blocks, x_ptr, dim, heads, kv_heads, head_dim, width, cos_ptr, sin_ptr,
+                                    k_ptr, v_ptr, layer_stride, head_stride, row, int(half), splits, qs_ptr, stats_ptr,
+                                    acc_ptr, attn_ptr, threads() if C_THREADS else 1)
+    if status:
+        raise ValueError(f"quant_decode_step: block {-status - 1} could not run (a part's format has no C kernel "
+                         "for its activations, or attend.c does not take the head geometry)")

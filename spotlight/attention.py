@@ -115,6 +115,11 @@ class DecodePolicy(Protocol):
     def selection(self, layer: int):
         """The (Hkv, K) indices the last `decode` of `layer` read, None when it read all rows."""
 
+    def dense_step(self, n_tokens: int) -> bool:
+        """Whether a decode step over `n_tokens` is DenseDecode's: every layer attends to all rows
+        and the policy keeps nothing of it (on_new_tokens does nothing, selection is None), so the
+        model may run it in one compiled call (spotlight/quantized.py FusedStep)."""
+
     def prefill(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         """A chunk's q (H, T, D), keys written at [cache.length, + T), past the native window -> (H, T, D)."""
 
@@ -184,6 +189,9 @@ class DenseDecode:
     def selection(self, layer: int) -> None:
         return None
 
+    def dense_step(self, n_tokens: int) -> bool:
+        return True
+
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         pass
 
@@ -220,6 +228,9 @@ class SpotlightDecode:
 
     def selection(self, layer: int):
         return self._selected.get(layer)
+
+    def dense_step(self, n_tokens: int) -> bool:
+        return False  # on_new_tokens codes every layer's key (and sparse layers select)
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         self.selector.on_new_tokens(layer, q, k, cache)

@@ -270,6 +270,14 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.inv_freq = rope_inv_freq(args)  # (D/2,) fp32; a plain attribute so .to(dtype) keeps it fp32
         self.rope_cos = self.rope_sin = None
+        # Every block of a dense decode step in one compiled call, where all blocks are fused
+        # (spotlight/quantized.py FusedStep, set by use_fused_decode).
+        self.fused_step = None
+
+    def use_fused_step(self, step) -> None:
+        """Run one-token steps that attend to every cached row (DecodePolicy.dense_step) through
+        `step` (a FusedStep of this model) or, with None, block by block."""
+        self.fused_step = step
 
     def setup_rope(self, n_positions: int) -> None:
         """Precompute cos/sin for positions [0, n_positions) within the native window; called when
@@ -294,11 +302,18 @@ class Transformer(nn.Module):
         cos, sin = self.rope(start, T)  # (T, D)
         x = self.tok_embeddings(tokens)  # (T, E)
         mask = chunk_mask(x, T, start)  # (T, start + T) or None, built once for every layer
-        last = len(self.layers) - 1
-        for i, block in enumerate(self.layers):
-            # Only the last position's logits are wanted: the last layer's attention output and MLP
-            # run for it alone (its keys and values all enter the cache; ~1/L of a prefill saved).
-            x = block(x, cos, sin, cache, policy, mask, i == last and not all_logits, observers)
+        step = self.fused_step
+        if T == 1 and step is not None and policy.dense_step(start + 1) and step.accepts(x, cache):
+            x = step(x, cos, sin, cache)  # (1, E): every block in one compiled call
+            for i in range(len(self.layers)):
+                for observer in observers:
+                    observer.on_layer(i, step.query(i), cache, None)
+        else:
+            last = len(self.layers) - 1
+            for i, block in enumerate(self.layers):
+                # Only the last position's logits are wanted: the last layer's attention output and
+                # MLP run for it alone (its keys and values all enter the cache; ~1/L of a prefill saved).
+                x = block(x, cos, sin, cache, policy, mask, i == last and not all_logits, observers)
         cache.advance(T)
         logits = self.output(self.norm(x))  # (T or 1, V)
         return logits if all_logits else logits[0]

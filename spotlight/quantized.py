@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import quant
+from kernels.attend_cpu import C_ATTEND_F16, attend_splits, c_attend_fits, new_attend_scratch
 from kernels.quant import CorruptTensor, QuantMatrix, QuantMatVec, UnsupportedQuantType
 
 from .config import ModelArgs
@@ -195,6 +196,15 @@ class FusedDecode:
         parts = [bound.part() for bound, _, _ in linear._calls]
         return (quant.QuantPart * len(parts))(*parts), len(parts)
 
+    def block(self) -> "quant.QuantBlock":
+        """This block as quant.c's quant_block (FusedStep): its norms, parts and buffers."""
+        (qkv, n_qkv), (wo, n_wo), (gate_up, n_gate_up), (down, n_down) = self._parts
+        attention_norm, ffn_norm = self._norms
+        return quant.QuantBlock(attention_norm.weight.data_ptr(), ffn_norm.weight.data_ptr(), qkv, wo, gate_up, down,
+                                self.h.data_ptr(), self.qkv.data_ptr(), self.ff.data_ptr(), self.act.data_ptr(),
+                                self.out.data_ptr(), self.scratch.ctypes.data, attention_norm.eps, ffn_norm.eps,
+                                n_qkv, n_wo, n_gate_up, n_down)
+
     def accepts(self, x: torch.Tensor) -> bool:
         """One token, fp32, on the CPU, no autograd: what the compiled calls compute."""
         return x.shape == self.out.shape and x.dtype == torch.float32 and x.device.type == "cpu" \
@@ -221,13 +231,72 @@ class FusedDecode:
 
 
 def use_fused_decode(model: nn.Module) -> int:
-    """Give every eligible block of `model` a FusedDecode (FusedDecode.eligible); returns how many."""
+    """Give every eligible block of `model` a FusedDecode (FusedDecode.eligible) and, when all of
+    them have one, the model a FusedStep (FusedStep.eligible); returns how many blocks."""
     fused = 0
     for block in model.layers:
         if FusedDecode.eligible(block):
             block.use_fused_decode(FusedDecode(block))
             fused += 1
+    model.use_fused_step(FusedStep(model) if FusedStep.eligible(model) else None)
     return fused
+
+
+class FusedStep:
+    """Every block of a one-token step in one compiled call (kernels.quant.decode_step), for a
+    step that attends to all cached rows in every layer (DecodePolicy.dense_step): per layer,
+    its FusedDecode's head, the new key and value written into the cache, attend.c's attention
+    over rows [0, n), its FusedDecode's tail. The arithmetic is the per-layer calls' bit for bit
+    (tests/test_quantized.py); what goes is the Python between the layers (the cache write, the
+    policy, the attention call's checks), about 1.5 ms of a Qwen2.5-0.5B step (docs/DECISIONS.md).
+    Each layer's q stays in its FusedDecode's buffer until the block's next step (`query`)."""
+
+    def __init__(self, model: nn.Module):
+        self.decoders = [block.fused_decode for block in model.layers]
+        first = self.decoders[0]
+        self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
+        self.dim, self.width = first.dim, first.width
+        self._blocks = (quant.QuantBlock * len(self.decoders))(*(d.block() for d in self.decoders))
+        self.attn = torch.empty(self.heads, self.head_dim)  # (H, D) a layer's attention output
+        self.scratch = new_attend_scratch(self.heads, self.kv_heads, self.head_dim)
+        self.out = self.decoders[-1].out  # (1, E) the last block's output
+
+    @staticmethod
+    def eligible(model: nn.Module) -> bool:
+        """Every block has a FusedDecode of one geometry, and the library has the whole step with
+        attend.c taking the head geometry."""
+        decoders = [block.fused_decode for block in model.layers]
+        if not quant.C_STEP or not decoders or any(d is None for d in decoders):
+            return False
+        shapes = {(d.heads, d.kv_heads, d.head_dim, d.dim, d.width, d.attn_dim) for d in decoders}
+        heads, kv_heads, head_dim, _, _, attn_dim = next(iter(shapes))
+        return len(shapes) == 1 and attn_dim == heads * head_dim and c_attend_fits(heads, kv_heads, head_dim)
+
+    def accepts(self, x: torch.Tensor, cache) -> bool:
+        """One fp32 token (FusedDecode.accepts) and a CPU cache of all the layers, fp32 or fp16
+        (F16C built in), each row head_dim contiguous values."""
+        k, v = cache.k, cache.v
+        return self.decoders[0].accepts(x) and k.device.type == "cpu" and k.shape == v.shape \
+            and k.shape[0] == len(self.decoders) and k.shape[1:2] + k.shape[3:] == (self.kv_heads, self.head_dim) \
+            and (k.dtype == torch.float32 or (k.dtype == torch.float16 and C_ATTEND_F16)) and v.dtype == k.dtype \
+            and k.is_contiguous() and v.is_contiguous()
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        """x (1, E) the token at position n - 1 = cache.length, cos, sin (1, D) -> the last block's
+        output (1, E); every layer's key and value are written at row n - 1 of the cache."""
+        cos, sin = cos.contiguous(), sin.contiguous()
+        row = cache.length
+        _, splits = attend_splits(row + 1, self.scratch)
+        k, v, buf = cache.k, cache.v, self.scratch
+        quant.decode_step(self._blocks, len(self.decoders), x.data_ptr(), self.dim, self.heads, self.kv_heads,
+                          self.head_dim, self.width, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
+                          k.stride(0), k.stride(1), row, k.dtype == torch.float16, splits, buf.scaled_q.ctypes.data,
+                          buf.stats.ctypes.data, buf.acc.ctypes.data, self.attn.data_ptr())
+        return self.out
+
+    def query(self, layer: int) -> torch.Tensor:
+        """The post-RoPE q (H, 1, D) of `layer` in the last step."""
+        return self.decoders[layer]._q
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,9 @@ class QKRecorder:
     def decode(self, layer, q, cache):
         raise RuntimeError("QKRecorder records prefill only; it cannot decode")
 
+    def dense_step(self, n_tokens: int) -> bool:
+        return False
+
 
 @dataclass
 class QKData:

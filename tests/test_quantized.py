@@ -178,13 +178,77 @@ def test_tiny_gguf_decodes_with_int16_activations_close_to_fp32(tiny_pair):
 
 
 def fused_against_modules(model: Transformer, prompt: torch.Tensor, steps: list[int]) -> list[float]:
-    """use_fused_decode on `model`, then each decode step's logits fused vs through the modules."""
+    """use_fused_decode on `model`, then each decode step's logits fused (block by block) vs
+    through the modules."""
     assert use_fused_decode(model) == model.args.n_layers
+    model.use_fused_step(None)
     _, fused = run(model, prompt, steps)
     for block in model.layers:
         block.use_fused_decode(None)
     _, modules = run(model, prompt, steps)
     return [relative(f, m) for f, m in zip(fused, modules)]
+
+
+class CountingDense(DenseDecode):
+    """DenseDecode that counts its per-layer decode calls; `whole` is what dense_step answers."""
+
+    def __init__(self, whole: bool):
+        super().__init__()
+        self.whole, self.calls = whole, 0
+
+    def dense_step(self, n_tokens: int) -> bool:
+        return self.whole
+
+    def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
+        self.calls += 1
+        return super().decode(layer, q, cache)
+
+
+class QueryLog:
+    """A StepObserver keeping a copy of each layer's query and what it says was read."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, torch.Tensor, int, object]] = []
+
+    def on_layer(self, layer: int, q: torch.Tensor, cache, selected) -> None:
+        self.seen.append((layer, q.clone(), cache.length, selected))
+
+    def on_step(self, n_tokens: int) -> None:
+        pass
+
+
+def decode_steps(model: Transformer, policy, prompt: torch.Tensor, steps: list[int], dtype):
+    """(each step's logits, the cache's rows after them, QueryLog of the steps) under `policy`."""
+    cache = KVCache(model.args, len(prompt) + len(steps), dtype=dtype)
+    log = QueryLog()
+    with torch.inference_mode():
+        model(prompt, cache, DenseDecode())
+        logits = [model(torch.tensor([token]), cache, policy, observers=[log]) for token in steps]
+    n = cache.length
+    return logits, (cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone()), log
+
+
+@pytest.mark.skipif(not quant.C_STEP, reason="needs kernels/_quant.so with AVX2 (attend.c)")
+@pytest.mark.parametrize("activations", ["fp32", "int16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_step_equals_the_fused_blocks(tiny_pair, activations, dtype):
+    """Every block of a dense decode step in one compiled call (FusedStep) computes the per-block
+    calls' logits and cache rows bit for bit, and tells the observers the same queries; a policy
+    whose dense_step says no runs block by block."""
+    fp32, _, _, path = tiny_pair
+    model = random_norms(copy.deepcopy(fp32), 7)
+    use_quantized_linear(model, path, fp32.args, activations=activations)
+    assert use_fused_decode(model) == model.args.n_layers
+    prompt, steps = torch.arange(3, 40), [5, 77, 200, 9]
+    whole, by_blocks = CountingDense(True), CountingDense(False)
+    got, got_rows, got_log = decode_steps(model, whole, prompt, steps, dtype)
+    want, want_rows, want_log = decode_steps(model, by_blocks, prompt, steps, dtype)
+    assert (whole.calls, by_blocks.calls) == (0, len(steps) * model.args.n_layers)
+    assert [torch.equal(g, w) for g, w in zip(got, want)] == [True] * len(steps)
+    assert torch.equal(got_rows[0], want_rows[0]) and torch.equal(got_rows[1], want_rows[1])
+    assert [(layer, n, selected) for layer, _, n, selected in got_log.seen] == \
+        [(layer, n, selected) for layer, _, n, selected in want_log.seen]
+    assert all(torch.equal(g[1], w[1]) for g, w in zip(got_log.seen, want_log.seen))
 
 
 @pytest.mark.skipif(not quant.C_FUSED or not quant.C_SIMD, reason="needs kernels/_quant.so with AVX2")
@@ -224,6 +288,7 @@ def test_block_with_a_part_without_c_kernel_is_not_fused(tmp_path):
     use_quantized_linear(model, path, fp32.args, activations="int16")
     assert use_fused_decode(model) == 0
     assert [block.fused_decode for block in model.layers] == [None] * fp32.args.n_layers
+    assert model.fused_step is None
 
 
 def random_norms(model: Transformer, seed: int) -> Transformer:
