@@ -980,7 +980,8 @@ typedef struct {
     int32_t n_qkv, n_wo, n_gate_up, n_down;
 } quant_block;
 
-int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k, const void *v,
+/* attend.c's; weak, so a build of this file alone (tests/test_quant.py's variants) still loads */
+__attribute__((weak)) int attend_decode(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, const void *k, const void *v,
                   int64_t head_stride, const int32_t *rows, int64_t rows_stride, int64_t count, int splits,
                   float *qs, float *stats, float *acc, float *out, int threads, int half,
                   const float *rot_lo, const float *rot_hi, int64_t rot_block, int64_t base, int64_t moved);
@@ -1014,6 +1015,7 @@ int quant_decode_step(const quant_block *blocks, int n_blocks, const float *x, i
                       int64_t kv_heads, int64_t head_dim, int64_t width, const float *cos, const float *sin, void *k,
                       void *v, int64_t layer_stride, int64_t head_stride, int64_t row, int half, int splits,
                       float *qs, float *stats, float *acc, float *attn, int threads) {
+    if (!attend_decode) return -1;  /* built without attend.c */
     size_t item = half ? 2 : 4;
     int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
     const float *in = x;
