@@ -59,18 +59,22 @@ def kv_bytes_per_token(args, element_bytes: int) -> int:
 
 
 class OursRunner:
-    """Our engine (dense decode), loaded and warmed up once; `measure` runs one context.
+    """Our engine, loaded and warmed up once; `measure` runs one context.
     weights: EngineConfig.weights ("quantized": the GGUF's blocks in decode; "fp32");
-    kernel_threads, model (model_path), activations: EngineConfig's fields of those names."""
+    kernel_threads, model (model_path), activations: EngineConfig's fields of those names;
+    spotlight: decode with the app's Spotlight defaults (SpotlightConfig(), the shipped trained
+    encoders) instead of densely."""
 
     def __init__(self, weights: str = "quantized", kernel_threads: int = 1, model: str | None = None,
-                 activations: str = "int16"):
+                 activations: str = "int16", spotlight: bool = False):
         from bench.spotlight_speed import weight_bytes
-        from spotlight.config import EngineConfig, default_home
+        from spotlight.config import EngineConfig, SpotlightConfig, default_home
         from spotlight.engine import Engine
 
         config = EngineConfig(model_path=model or DEFAULT_NAME, weights=weights, kernel_threads=kernel_threads, activations=activations)
-        self.engine = Engine.load(config, default_home())
+        self.engine = Engine.load(config, default_home(), SpotlightConfig() if spotlight else None)
+        if spotlight and self.engine.decodes_densely:
+            raise RuntimeError(f"{model or DEFAULT_NAME}: the engine decodes densely although Spotlight was asked for")
         self.weight_bytes = weight_bytes(self.engine.model)
         warm = essay_ids(self.engine.tokenizer, WARM_UP_TOKENS)  # one-time kernel set-up stays out of the rows
         self._generate(warm, 2)
@@ -205,6 +209,7 @@ RUNNERS = {  # Worker kind -> how its process builds the runner (n_ctx: the long
     "ours-fp32act": lambda n_ctx, model: OursRunner("quantized", 1, model, "fp32"),
     "ours-fp32act-2t": lambda n_ctx, model: OursRunner("quantized", 2, model, "fp32"),
     "ours-fp32": lambda n_ctx, model: OursRunner("fp32", 1, model),
+    "ours-spotlight-2t": lambda n_ctx, model: OursRunner("quantized", 2, model, "int16", spotlight=True),
     "transformers": lambda n_ctx, model: TransformersRunner(model),
     "llama.cpp": LlamaCppRunner,
 }
@@ -273,18 +278,22 @@ FP32_ACTIVATION_KINDS = ("ours-fp32act", "ours-fp32act-2t")[: len(KERNEL_THREADS
 PATHS = {"ours": "ours quantized, 1 kernel thread", "ours-2t": "ours quantized, 2 kernel threads",
          "ours-fp32act": "ours quantized, fp32 activations, 1 kernel thread",
          "ours-fp32act-2t": "ours quantized, fp32 activations, 2 kernel threads",
-         "ours-fp32": "ours fp32, 1 kernel thread", "transformers": "transformers", "llama.cpp": "llama.cpp"}
+         "ours-fp32": "ours fp32, 1 kernel thread", "ours-spotlight-2t": "ours quantized, Spotlight, 2 kernel threads",
+         "transformers": "transformers", "llama.cpp": "llama.cpp"}
 LLAMA_CPP_TARGETS = {1024: 1.2, 8192: 1.5}  # issue #20: decode ours / llama.cpp at least this
+SPOTLIGHT_LLAMA_CPP_TARGETS = {32768: 3.5}  # issue #20: decode ours with Spotlight / llama.cpp at least this
 # issue #20: Qwen2.5-Coder-0.5B-Instruct decodes at least this many tokens/s at 1K (--model)
 MODEL_TPS_TARGETS = {"qwen2.5-coder-0.5b-instruct": (1024, 25.0)}
 
 
-def engine_part(sizes: dict, weights: str = "quantized", model: str | None = None, activations: str = "int16"):
+def engine_part(sizes: dict, weights: str = "quantized", model: str | None = None, activations: str = "int16",
+                spotlight: bool = False):
     """Every engine stays loaded in its own process and they take turns on each context, `repeats`
     times in alternating order; each side's fastest prefill and decode of a context count, so a
     slow spell of the shared machine lands on all and drops out of the ratios. One row per
     (context, path): tok/s, bytes read per decode step, measured/floor, and the decode ratios to
-    transformers and llama.cpp."""
+    transformers and llama.cpp. spotlight: our dense paths at 2 kernel threads only, beside ours
+    with Spotlight (the app's decode) and llama.cpp; no transformers."""
     from bench.spotlight_speed import measure_bandwidth
 
     bandwidth = max(measure_bandwidth().values())  # bytes/s, before any engine loads
@@ -294,7 +303,10 @@ def engine_part(sizes: dict, weights: str = "quantized", model: str | None = Non
         ours = {"int16": quantized, "fp32": FP32_ACTIVATION_KINDS,
                 "both": quantized + FP32_ACTIVATION_KINDS}[activations] + fp32
     # transformers needs the model's fp32 Hugging Face copy: made for the default model only
-    kinds = list(ours) + (["transformers"] if model is None else []) + (["llama.cpp"] if llama_bench_available() else [])
+    if spotlight:  # the long contexts this is for make each row minutes long: the paths the targets compare
+        ours = tuple(k for k in ours if k.endswith("-2t")) + ("ours-spotlight-2t",)
+    kinds = list(ours) + (["transformers"] if model is None and not spotlight else []) + \
+        (["llama.cpp"] if llama_bench_available() else [])
     n_ctx = max(sizes["contexts"]) + sizes["new_tokens"] + 8
     workers = [Worker(kind, n_ctx, model) for kind in kinds]
     try:
@@ -316,7 +328,7 @@ def engine_part(sizes: dict, weights: str = "quantized", model: str | None = Non
         hf, cpp = best.get(("transformers", n), nan), best.get(("llama.cpp", n))
         for kind in kinds:
             m = best[kind, n]
-            floor_s = m["bytes_per_token"] / bandwidth
+            floor_s = m["bytes_per_token"] / bandwidth  # Spotlight's: as dense's (an upper bound of what it reads)
             rows.append({
                 "context": n, "path": PATHS[kind], "prefill tok/s": m["prefill_tps"], "decode tok/s": m["decode_tps"],
                 "MB read / token": m["bytes_per_token"] / 1e6, "floor ms": floor_s * 1e3,
@@ -349,6 +361,10 @@ def engine_part(sizes: dict, weights: str = "quantized", model: str | None = Non
             if n in sizes["contexts"]:
                 ratio = max(row_of(kind, n)["decode / llama.cpp"] for kind in ours)
                 targets.append(Target(f"decode ours (best of {', '.join(ours)})/llama.cpp at {n}", ratio, goal))
+        for n, goal in SPOTLIGHT_LLAMA_CPP_TARGETS.items():
+            if spotlight and n in sizes["contexts"]:
+                targets.append(Target(f"decode ours with Spotlight/llama.cpp at {n}",
+                                      row_of("ours-spotlight-2t", n)["decode / llama.cpp"], goal))
     notes = (
         f"{name} (the packaged GGUF), paths: {', '.join(PATHS[k] for k in kinds)}; greedy, "
         f"{sizes['new_tokens']} new tokens per context, plain-text prompt; "
@@ -376,6 +392,9 @@ def main(argv=None):
     p.add_argument("--contexts", help="part engine: comma-separated context lengths (default: "
                    f"{','.join(map(str, FULL['contexts']))}; --quick {','.join(map(str, QUICK['contexts']))})")
     p.add_argument("--repeats", type=int, help=f"part engine: turns per context (default {FULL['repeats']})")
+    p.add_argument("--spotlight", action="store_true",
+                   help="part engine: add our engine decoding with Spotlight (the app's defaults and trained encoders) "
+                        "beside our dense path at 2 kernel threads and llama.cpp; for long --contexts such as 32768")
     p.add_argument("--model", default=None, metavar="NAME",
                    help="part engine: a packaged model's name (default: the default model; transformers runs for "
                         "the default only, its fp32 copy being made once)")
@@ -389,11 +408,16 @@ def main(argv=None):
             sizes["contexts"] = [int(n) for n in args.contexts.split(",")]
         if args.repeats:
             sizes["repeats"] = args.repeats
-        rows, targets, notes = engine_part(sizes, args.weights, args.model, args.activations)
+        rows, targets, notes = engine_part(sizes, args.weights, args.model, args.activations, args.spotlight)
         section, title = ("decode-engine", "Decode speed: our engine vs transformers") if args.model is None else \
             (f"decode-engine-{args.model}", f"Decode speed: {args.model}, our engine vs llama.cpp")
-        docs.append(finish(section, part_args, rows, targets, command="decode --part engine" + (
-            f" --model {args.model}" if args.model else ""), title=title, notes=notes))
+        if args.spotlight:  # its own section: the long contexts' rows do not replace the short ones'
+            section, title = f"{section}-spotlight", f"{title.replace('our engine', 'our engine with Spotlight')} " \
+                                                     "at long context"
+        command = "decode --part engine" + "".join(f" --{flag} {value}" for flag, value in (
+            ("model", args.model), ("contexts", args.contexts), ("repeats", args.repeats)) if value)
+        docs.append(finish(section, part_args, rows, targets, command=command + " --spotlight" * args.spotlight,
+                           title=title, notes=notes))
     if args.part in ("all", "spotlight"):
         from bench.spotlight_speed import spotlight_part
 
