@@ -303,7 +303,7 @@ QUESTION = "What is the special magic number for the city of Lisbon?"
                           "not retrieve the needle at 20K; dense finds this needle inside the 8K window "
                           "(docs/RESULTS.md needle grid)", strict=False)
 def test_a_fact_at_10_percent_of_a_20k_token_document_comes_back_through_spotlight(engine, tmp_path):
-    """The default model (8K window) answers from a ~20K-token document attached in the service."""
+    """SmolLM2-135M (the test model, 8K window) answers from a ~20K-token document attached in the service."""
     from chat.config import AppConfig
     from chat.service import ChatService
     from spotlight.config import SamplingConfig
