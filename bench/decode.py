@@ -69,11 +69,11 @@ def step_cache_bytes(engine, n: int) -> int:
     if spotlight is None or n < spotlight.dense_below:
         return n * row * args.n_layers
     if n > args.max_seq_len:  # past the window (spotlight/beyond.py)
-        (sinks, retrieved, window), sparse = engine.policy.far_budget, args.n_layers
+        sinks, retrieved, window = engine.policy.far_budget
+        selected, sparse = kernels.selection_layout(n, retrieved, sinks, window).size, args.n_layers
     else:
-        sinks, retrieved, window = spotlight.sinks, max(spotlight.k_min, int(spotlight.ratio * n)), spotlight.window
+        selected = spotlight.budget(n)
         sparse = args.n_layers - len(set(spotlight.dense_layers) & set(range(args.n_layers)))
-    selected = kernels.selection_layout(n, retrieved, sinks, window).size
     codes = n * args.n_kv_heads * engine.policy.code_words * 8  # uint64 words per key and KV head
     return (args.n_layers - sparse) * n * row + sparse * (selected * row + codes)
 
