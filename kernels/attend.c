@@ -63,7 +63,7 @@ static inline __m256 sums8(const __m256 a[8]) {
 }
 
 static inline void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
+    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
 }
 
 /* Re-positioning past the window (REMAP runs): the selection's K columns, the first `moved`
