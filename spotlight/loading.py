@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from .config import SUPPORTED_ARCHITECTURES, ModelArgs  # noqa: E402
 from .digests import FileStamps  # noqa: E402
 from .errors import CorruptModel, HomeNotWritable, ModelNotFound, UnsupportedModel  # noqa: E402
+from . import tokens  # noqa: E402
 from .packaged import MODELS, QWEN_CODER_05B, PackagedModel, package_dir, packaged_gguf, packages_in, part_paths  # noqa: E402
 
 DEFAULT_MODEL = QWEN_CODER_05B.name  # the best answering model of bench/docqa.py (issue #22)
@@ -293,18 +295,52 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_config(source: ModelSource):
-    """The transformers config of a resolved model, and our ModelArgs derived from it."""
+# config.json keys ModelArgs.from_hf_config reads without a default of its own; where one is
+# missing, transformers' config class supplies its default
+REQUIRED_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                        "intermediate_size", "max_position_embeddings", "rms_norm_eps")
+
+
+def load_args(source: ModelSource) -> ModelArgs:
+    """The ModelArgs of a resolved model, from its config.json as written; through transformers'
+    AutoConfig (24 MiB more memory) only where a key it needs is missing."""
+    file = source.hf_dir / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CorruptModel(f"cannot read {str(file)!r} ({exc}); restore the model's directory") from exc
+    if isinstance(config, dict) and all(key in config for key in REQUIRED_CONFIG_KEYS):
+        return ModelArgs.from_hf_config(types.SimpleNamespace(**config))
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(source.hf_dir, local_files_only=True)
-    return config, ModelArgs.from_hf_config(config)
+    return ModelArgs.from_hf_config(AutoConfig.from_pretrained(source.hf_dir, local_files_only=True))
 
 
 def load_tokenizer(source: ModelSource):
+    """The model's tokenizer: a `tokens.TemplateTokenizer` over its tokenizer.json and chat
+    template where its tokenizer_config.json asks for nothing more (the packaged models; ~100 MiB
+    less memory), else transformers' tokenizer class."""
+    directory = source.hf_dir
+    config_file, tokenizer_file = directory / "tokenizer_config.json", directory / "tokenizer.json"
+    if config_file.is_file() and tokenizer_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise CorruptModel(f"cannot read {str(config_file)!r} ({exc}); restore the model's directory") from exc
+        specials = tokens.plain_config(config) if isinstance(config, dict) else None
+        if specials is not None:
+            import tokenizers
+
+            template_file = directory / "chat_template.jinja"
+            template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+            try:
+                tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            except Exception as exc:  # the Rust library raises plain Exception for a bad file
+                raise CorruptModel(f"cannot read {str(tokenizer_file)!r} ({exc}); restore the model's directory") from exc
+            return tokens.TemplateTokenizer(tokenizer, template, specials)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
 def load_state_dict(source: ModelSource) -> dict:

@@ -41,9 +41,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies (D/2,) including the config's rope scaling."""
+    """Inverse frequencies (D/2,) on the CPU, including the config's rope scaling. Made on the CPU
+    even inside a meta-device block (the quantized model's skeleton), where torch's meta arange
+    would import sympy (~20 MiB resident)."""
     dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling: RopeScaling = args.rope_scaling
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
@@ -262,7 +264,12 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # NOTE: nn.Embedding's own init draws normal_ values, which on a meta tensor (the quantized
+        # model's skeleton, spotlight/quantized.py) imports torch._dynamo: 70 MiB resident for
+        # nothing. The same draw is made here on real tensors only (same values, same RNG order).
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
+        if not self.tok_embeddings.weight.is_meta:
+            nn.init.normal_(self.tok_embeddings.weight)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)

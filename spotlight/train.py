@@ -984,7 +984,7 @@ def _main(args, argv: list[str], progress: ProgressFile) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    _, margs = loading.load_config(loading.resolve(args.model, default_home()))  # settings are checked first
+    margs = loading.load_args(loading.resolve(args.model, default_home()))  # settings are checked first
     config = TrainConfig(
         bits=args.bits, depth=0 if args.linear else args.depth, width=args.width, top_fraction=args.top_fraction,
         sinks=args.sinks, window=args.window, seq_len=args.seq_len, sequences=args.sequences, steps=args.steps,

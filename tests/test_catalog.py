@@ -65,7 +65,7 @@ def test_the_models_folder_lists_packaged_models_then_the_users_files(tmp_path):
     (folder / "SmolLM2-b179c9523d0e").mkdir()  # an old conversion of ours: config.json + fingerprint.txt
     (folder / "SmolLM2-b179c9523d0e" / "config.json").write_text("{}")
     (folder / "SmolLM2-b179c9523d0e" / "fingerprint.txt").write_text("b179c9523d0e\n")
-    _, args = loading.load_config(loading.resolve(str(hf), home))
+    args = loading.load_args(loading.resolve(str(hf), home))
     (home / "encoders").mkdir()  # trained (by its metadata) for the Hugging Face directory only
     Encoders(EncoderSpec.for_model(args, BITS), model_fingerprint=loading.fingerprint_dir(hf)).save(
         home / "encoders" / "tiny-qwen.safetensors")

@@ -1,5 +1,6 @@
 """Model resolution and loading: clear errors for bad input, atomic conversion. Issue #2."""
 import json
+import os
 import subprocess
 import sys
 
@@ -65,7 +66,7 @@ def test_local_hf_directory_loads_and_is_fingerprinted(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_hf_config("qwen2")).save_pretrained(tmp_path)
     source = loading.resolve(str(tmp_path), tmp_path)
-    _, args = loading.load_config(source)
+    args = loading.load_args(source)
     assert (args.arch, args.qkv_bias, args.n_kv_heads) == ("qwen2", True, 2)
     assert source.fingerprint == loading.resolve(str(tmp_path), tmp_path).fingerprint
 
@@ -138,3 +139,82 @@ def test_cli_generate_streams_a_completion(engine):
     out = cli("generate", "--model", TEST_MODEL, "--max-new-tokens", "8", stdin=b"What is the capital of France?")
     assert out.returncode == 0, out.stderr
     assert b"Paris" in out.stdout
+
+
+def write_tokenizer_dir(directory, config: dict):
+    """A tiny word-level tokenizer.json, the given tokenizer_config.json and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<eos>": 1, "hello": 2, "world": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<eos>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}")
+    return loading.ModelSource(directory, str(directory), "0" * 32)
+
+
+def test_plain_tokenizer_configs_get_the_lean_tokenizer_others_transformers(tmp_path):
+    from spotlight.tokens import TemplateTokenizer, plain_config
+
+    plain = {"tokenizer_class": "TokenizersBackend", "eos_token": "<eos>", "unk_token": "<unk>"}
+    lean = loading.load_tokenizer(write_tokenizer_dir(tmp_path / "plain", plain))
+    assert (type(lean), lean.encode("hello world"), lean.eos_token_id, lean.unk_token_id,
+            lean.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)) == \
+        (TemplateTokenizer, [2, 3], 1, 0, "hello<eos>")
+    for extra in ({"clean_up_tokenization_spaces": True}, {"add_bos_token": True}, {"chat_template": [{"name": "x"}]}):
+        other = loading.load_tokenizer(write_tokenizer_dir(tmp_path / str(len(extra)) / next(iter(extra)), {**plain, **extra}))
+        assert type(other) is not TemplateTokenizer and other.encode("hello world", add_special_tokens=False) == [2, 3]
+    assert [plain_config(c) for c in (plain, {**plain, "pad_token": {"content": "<eos>", "lstrip": True}}, {"eos_token": 1})] == \
+        [{"eos_token": "<eos>", "unk_token": "<unk>"}, None, None]
+
+
+def test_damaged_tokenizer_files_say_which_file(tmp_path):
+    source = write_tokenizer_dir(tmp_path, {"eos_token": "<eos>"})
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(CorruptModel) as error:
+        loading.load_tokenizer(source)
+    assert str(error.value).startswith(f"cannot read {str(tmp_path / 'tokenizer.json')!r} (")
+    assert str(error.value).endswith("); restore the model's directory")
+    (tmp_path / "tokenizer_config.json").write_text("{")
+    with pytest.raises(CorruptModel, match="tokenizer_config.json"):
+        loading.load_tokenizer(source)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_model_args_from_config_json_equal_transformers_config(tmp_path, arch):
+    from transformers import AutoConfig
+
+    tiny_hf_config(arch, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}).save_pretrained(tmp_path)
+    source = loading.ModelSource(tmp_path, str(tmp_path), "0" * 32)
+    from spotlight.config import ModelArgs
+
+    want = ModelArgs.from_hf_config(AutoConfig.from_pretrained(tmp_path, local_files_only=True))
+    assert loading.load_args(source) == want
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rms_norm_eps"]  # a key it needs is missing: transformers' class default fills it
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert loading.load_args(source) == ModelArgs.from_hf_config(AutoConfig.from_pretrained(tmp_path, local_files_only=True))
+
+
+def test_damaged_config_json_says_which_file(tmp_path):
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(CorruptModel, match="config.json"):
+        loading.load_args(loading.ModelSource(tmp_path, str(tmp_path), "0" * 32))
+
+
+def test_quantized_model_skeleton_imports_no_compiler_stack():
+    """The meta-device skeleton the quantized model is built on draws no random values and makes
+    no meta tensors through torch's Python references: those import torch._dynamo and sympy
+    (~90 MiB resident, issue #20)."""
+    code = ("import sys, torch\nfrom spotlight.config import ModelArgs\nfrom spotlight.model import Transformer\n"
+            "args = ModelArgs(vocab_size=211, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, "
+            "intermediate_size=96, max_seq_len=512, arch='qwen2')\n"
+            "with torch.device('meta'):\n    model = Transformer(args)\n"
+            "print(model.tok_embeddings.weight.is_meta, model.inv_freq.device, 'torch._dynamo' in sys.modules, "
+            "'sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "True cpu False False"), out.stderr[-2000:]

@@ -464,7 +464,7 @@ GREEDY_TOKENS = 32
 def fp32_default(engine):
     """The default model on its fp32 dequantised copy, built as Engine.load builds it with weights="fp32"."""
     source = loading.resolve(engine.source.origin, TEST_HOME)  # the quantized engine made no fp32 copy
-    _, args = loading.load_config(source)
+    args = loading.load_args(source)
     return use_onerow_linear(build_model(args, loading.load_state_dict(source)))
 
 
