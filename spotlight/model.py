@@ -228,7 +228,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.width, dim=-1)  # (T, F) x2
-        return self.w_down(F.silu(gate) * up)  # (T, E)
+        if torch.is_grad_enabled():
+            return self.w_down(F.silu(gate) * up)  # (T, E)
+        # NOTE: in place in the projection's own output where no gradient needs it: the same
+        # values without two more (T, F) buffers (40 MB of peak memory in a 1,024-token Qwen2.5
+        # prefill chunk)
+        return self.w_down(F.silu(gate, inplace=True).mul_(up))  # (T, E)
 
 
 class Block(nn.Module):
