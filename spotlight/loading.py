@@ -332,7 +332,10 @@ def load_tokenizer(source: ModelSource):
             import tokenizers
 
             template_file = directory / "chat_template.jinja"
-            template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+            try:
+                template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+            except (OSError, ValueError) as exc:  # unreadable, or not UTF-8 text
+                raise CorruptModel(f"cannot read {str(template_file)!r} ({exc}); restore the model's directory") from exc
             try:
                 tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
             except Exception as exc:  # the Rust library raises plain Exception for a bad file

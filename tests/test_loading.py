@@ -178,6 +178,9 @@ def test_damaged_tokenizer_files_say_which_file(tmp_path):
         loading.load_tokenizer(source)
     assert str(error.value).startswith(f"cannot read {str(tmp_path / 'tokenizer.json')!r} (")
     assert str(error.value).endswith("); restore the model's directory")
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ bad }}")
+    with pytest.raises(CorruptModel, match="chat_template.jinja"):
+        loading.load_tokenizer(source)
     (tmp_path / "tokenizer_config.json").write_text("{")
     with pytest.raises(CorruptModel, match="tokenizer_config.json"):
         loading.load_tokenizer(source)
