@@ -304,11 +304,7 @@ REQUIRED_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_l
 def load_args(source: ModelSource) -> ModelArgs:
     """The ModelArgs of a resolved model, from its config.json as written; through transformers'
     AutoConfig (24 MiB more memory) only where a key it needs is missing."""
-    file = source.hf_dir / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise CorruptModel(f"cannot read {str(file)!r} ({exc}); restore the model's directory") from exc
+    config = _model_file(source.hf_dir / "config.json", json.loads)
     if isinstance(config, dict) and all(key in config for key in REQUIRED_CONFIG_KEYS):
         return ModelArgs.from_hf_config(types.SimpleNamespace(**config))
     from transformers import AutoConfig
@@ -322,28 +318,34 @@ def load_tokenizer(source: ModelSource):
     less memory), else transformers' tokenizer class."""
     directory = source.hf_dir
     config_file, tokenizer_file = directory / "tokenizer_config.json", directory / "tokenizer.json"
-    if config_file.is_file() and tokenizer_file.is_file():
-        try:
-            config = json.loads(config_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise CorruptModel(f"cannot read {str(config_file)!r} ({exc}); restore the model's directory") from exc
-        specials = tokens.plain_config(config) if isinstance(config, dict) else None
-        if specials is not None:
-            import tokenizers
+    config = _model_file(config_file, json.loads) if config_file.is_file() and tokenizer_file.is_file() else None
+    specials = tokens.plain_config(config) if isinstance(config, dict) else None
+    if specials is None:
+        from transformers import AutoTokenizer
 
-            template_file = directory / "chat_template.jinja"
-            try:
-                template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
-            except (OSError, ValueError) as exc:  # unreadable, or not UTF-8 text
-                raise CorruptModel(f"cannot read {str(template_file)!r} ({exc}); restore the model's directory") from exc
-            try:
-                tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-            except Exception as exc:  # the Rust library raises plain Exception for a bad file
-                raise CorruptModel(f"cannot read {str(tokenizer_file)!r} ({exc}); restore the model's directory") from exc
-            return tokens.TemplateTokenizer(tokenizer, template, specials)
-    from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    import tokenizers
 
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    template_file = directory / "chat_template.jinja"
+    template = _model_file(template_file) if template_file.is_file() else config.get("chat_template")
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:  # the Rust library raises plain Exception for a bad file
+        raise _damaged(tokenizer_file, exc) from exc
+    return tokens.TemplateTokenizer(tokenizer, template, specials)
+
+
+def _model_file(file: Path, parse: Callable[[str], object] = str):
+    """`parse` of the text of one file of a model's directory; CorruptModel naming the file where it
+    cannot be read, is not UTF-8 text or does not parse."""
+    try:
+        return parse(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise _damaged(file, exc) from exc
+
+
+def _damaged(file: Path, exc: Exception) -> CorruptModel:
+    return CorruptModel(f"cannot read {str(file)!r} ({exc}); restore the model's directory")
 
 
 def load_state_dict(source: ModelSource) -> dict:

@@ -147,7 +147,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 PLAIN_CONFIG_KEYS = frozenset(SPECIAL_TOKEN_NAMES) | {
     "tokenizer_class", "backend", "model_max_length", "is_local", "local_files_only", "chat_template",
     "add_prefix_space", "clean_up_tokenization_spaces", "added_tokens_decoder", "padding_side",
-    "split_special_tokens", "padding_side",
+    "split_special_tokens",
 }
 
 
