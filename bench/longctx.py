@@ -202,7 +202,7 @@ def ask(engine, context, base: list[int], needle: Needle) -> dict:
 
     from bench.quality_tasks import chat_frame
     from spotlight.config import SamplingConfig
-    from spotlight.generate import prefill
+    from spotlight.generate import prefill, reply_alone
 
     _, tail = chat_frame(engine, needle.question)
     steps = list(engine.stream(context, base + tail, SamplingConfig(max_new_tokens=NEW_TOKENS)))
@@ -211,7 +211,8 @@ def ask(engine, context, base: list[int], needle: Needle) -> dict:
     logprob = 0.0
     with torch.inference_mode():
         frame = tail + engine.encode(needle.frame)
-        logits = prefill(engine.model, context, frame, engine.policy, chunk=engine.config.prefill_chunk)  # (V,)
+        logits = prefill(engine.model, context, frame, engine.policy, chunk=engine.config.prefill_chunk,
+                         alone=reply_alone(engine.policy))  # (V,): the question's tokens as a reply's prompt runs them
         answer = engine.encode(needle.forced_answer)
         for i, token in enumerate(answer):
             logprob += float(torch.log_softmax(logits.float(), -1)[token])

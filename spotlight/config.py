@@ -195,6 +195,15 @@ class SpotlightConfig:
     # true distance, up to 30x what the codes were trained on, far noise crowds out the answer.
     # 0: true distances (docs/DECISIONS.md).
     far_fold: int = 4096
+    # Past the window, the last `far_alone` prompt tokens before a reply (a question, a new turn)
+    # run one at a time as decode steps, each selecting for its own query; the rest of a prompt,
+    # and a document read without a reply, run in chunks that share one selection. Qwen2.5-Coder-
+    # 0.5B's 131K needles (the bench.longctx prompt prefilled once, each question asked under each
+    # rule): 14 of the 17 that dense finds inside its window with every question token alone, 13
+    # in pieces of 4, 9 of 8, 7 of 16 and 7 as one chunk (the rule until then); the exact top-k
+    # with one selection per chunk 12. A question of ~30 tokens costs ~30 decode steps
+    # (docs/DECISIONS.md). 1: only the last token alone.
+    far_alone: int = 64
     max_context: int = 1_000_000  # tokens a conversation may hold with Spotlight (the window without)
 
     def __post_init__(self):
@@ -206,6 +215,8 @@ class SpotlightConfig:
             raise ValueError("sinks, window, k_min, dense_below and two_level_from must be >= 0")
         if min(self.far_window, self.far_retrieved) < 1:
             raise ValueError("far_window and far_retrieved must be >= 1")
+        if self.far_alone < 1:
+            raise ValueError(f"far_alone must be >= 1 (the prompt's last token always runs alone), got {self.far_alone}")
         if self.far_fold < 0:
             raise ValueError(f"far_fold must be >= 0 (0: score far tokens at their true distances), got {self.far_fold}")
         if self.max_context < 2:

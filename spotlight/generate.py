@@ -108,19 +108,22 @@ ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
 
 @torch.inference_mode()
 def prefill(
-    model, context: Context, ids: list[int], policy, *, chunk: int,
+    model, context: Context, ids: list[int], policy, *, chunk: int, alone: int = 1,
     cancel: threading.Event | None = None, progress: ProgressFn | None = None,
 ) -> torch.Tensor | None:
     """Append `ids` to the context in chunks; logits (V,) of the last token, None if cancelled
     (or `ids` is empty).
 
     Between chunks the cache is consistent, so a cancelled prefill keeps what it computed. Past
-    the model's native window the last token runs alone, as a decode step: the logits that start
-    a reply come from its own selection, not from its chunk's shared one (spotlight/beyond.py).
+    the model's native window the last `alone` tokens (those of them past the window) run one at
+    a time, as decode steps: each selects for its own query instead of sharing its chunk's one
+    selection, and the logits that start a reply come from the last one (spotlight/beyond.py,
+    SpotlightConfig.far_alone). Inside the window nothing runs alone.
     """
     logits = None
     done = 0
-    for piece in _pieces(ids, chunk, len(context.tokens) + len(ids) > context.cache.args.max_seq_len):
+    past_window = len(context.tokens) + len(ids) - context.cache.args.max_seq_len  # ids past the window
+    for piece in _pieces(ids, chunk, max(0, min(alone, past_window, len(ids)))):
         if cancel is not None and cancel.is_set():
             return None
         logits = model(torch.tensor(piece, dtype=torch.long), context.cache, policy)  # (V,)
@@ -131,13 +134,18 @@ def prefill(
     return logits
 
 
-def _pieces(ids: list[int], chunk: int, last_alone: bool) -> Iterator[list[int]]:
-    """`ids` in chunks of `chunk`; with `last_alone` the last id is a piece of its own."""
-    body = len(ids) - 1 if last_alone and len(ids) > 1 else len(ids)
+def reply_alone(policy) -> int:
+    """How many of the last prompt tokens before a reply run alone past the window (`prefill`'s `alone`)."""
+    return policy.spotlight.far_alone if policy.spotlight is not None else 1
+
+
+def _pieces(ids: list[int], chunk: int, alone: int = 0) -> Iterator[list[int]]:
+    """`ids` in chunks of `chunk`, the last `alone` of them each a piece of its own."""
+    body = len(ids) - alone
     for start in range(0, body, chunk):
         yield ids[start : min(start + chunk, body)]
-    if body < len(ids):
-        yield ids[body:]
+    for at in range(body, len(ids)):
+        yield ids[at : at + 1]
 
 
 def sync_prompt(context: Context, ids: list[int]) -> list[int]:
@@ -241,7 +249,8 @@ def stream(
     new_ids = sync_prompt(context, prompt_ids)
     stats.cached_tokens = len(prompt_ids) - len(new_ids)
     started = time.perf_counter()
-    logits = prefill(model, context, new_ids, policy, chunk=chunk, cancel=cancel, progress=progress)
+    logits = prefill(model, context, new_ids, policy, chunk=chunk, alone=reply_alone(policy), cancel=cancel,
+                     progress=progress)
     stats.prefill_tokens, stats.prefill_seconds = len(new_ids), time.perf_counter() - started
     if logits is None:
         yield Step(None, "", "cancelled", stats)

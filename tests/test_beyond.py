@@ -15,6 +15,7 @@ from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.engine import KV_MEMORY_SHARE, physical_memory_bytes
 from spotlight.errors import ContextTooLong
+from spotlight.generate import Context, _pieces, prefill, reply_alone
 from spotlight.hashing import EncoderSpec, Encoders
 from spotlight.model import apply_rope, causal_attention, rope_inv_freq
 from spotlight.positions import Rotations, rope_angles
@@ -329,3 +330,55 @@ def test_a_negative_fold_is_refused_with_what_zero_means():
     with pytest.raises(ValueError) as refused:
         SpotlightConfig(far_fold=-1)
     assert str(refused.value) == "far_fold must be >= 0 (0: score far tokens at their true distances), got -1"
+
+
+def test_a_prompts_last_tokens_run_alone_each_its_own_piece():
+    assert list(_pieces(list(range(10)), 4, 3)) == [[0, 1, 2, 3], [4, 5, 6], [7], [8], [9]]
+    assert list(_pieces(list(range(10)), 4)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert list(_pieces([5, 6], 4, 2)) == [[5], [6]]
+
+
+class Recorded(SpotlightDecode):
+    """SpotlightDecode that notes, at layer 0, each decode step's and each past-window chunk's cache length."""
+
+    def __init__(self, config, selector):
+        super().__init__(config, selector)
+        self.calls = []
+
+    def decode(self, layer, q, cache):
+        if layer == 0:
+            self.calls.append(("decode", cache.length))
+        return super().decode(layer, q, cache)
+
+    def prefill(self, layer, q, cache):
+        if layer == 0:
+            self.calls.append(("chunk", cache.length, q.shape[1]))
+        return super().prefill(layer, q, cache)
+
+
+@pytest.mark.parametrize("alone, calls", [
+    (1, [("chunk", 64, 5), ("decode", 69)]),  # the rule before far_alone: only the last token alone
+    (10, [("decode", n) for n in range(64, 70)]),  # 10 asked, 6 past the window: those 6, one at a time
+])
+def test_past_the_window_a_prompts_last_tokens_each_select_for_themselves(alone, calls):
+    """Inside the window nothing runs alone (the chunks stay exact); past it the last `alone` tokens
+    run as decode steps, each with its own selection (SpotlightConfig.far_alone)."""
+    model = tiny_model()
+    policy = spotlight(model)
+    recorded = Recorded(policy.config, policy.selector)
+    context = Context(KVCache(model.args, 128, code_words=recorded.code_words))
+    with torch.inference_mode():
+        logits = prefill(model, context, PROMPT[:70], recorded, chunk=32, alone=alone)
+    assert (recorded.calls, len(context.tokens), logits.shape) == (calls, 70, (model.args.vocab_size,))
+
+
+def test_a_reply_runs_the_configured_tokens_alone_and_a_dense_policy_its_last():
+    model = tiny_model()
+    assert (reply_alone(spotlight(model, far_alone=7)), reply_alone(spotlight(model)), reply_alone(DenseDecode())) == (
+        7, SpotlightConfig().far_alone, 1)
+
+
+def test_no_prompt_token_running_alone_is_refused_with_why():
+    with pytest.raises(ValueError) as refused:
+        SpotlightConfig(far_alone=0)
+    assert str(refused.value) == "far_alone must be >= 1 (the prompt's last token always runs alone), got 0"
