@@ -25,8 +25,8 @@ the threshold, or without spans, the flat scan runs; it is the reference.
 
 Past the model's native window (`cache.args.max_seq_len`) every layer, dense layers included,
 reads sinks + `far_window` recent tokens + `far_retrieved` selected ones, re-positioned inside
-the trained range (spotlight/beyond.py); a prefill chunk there selects once for all its queries
-by their majority code. With `far_fold` (the default) the candidates are scored in blocks, each
+the trained range (spotlight/beyond.py); a prefill chunk there selects `far_prefill_retrieved`
+once for all its queries by their majority code. With `far_fold` (the default) the candidates are scored in blocks, each
 by the query turned back to see them about where they will be read (`select_far`: the flat scan,
 also where spans exist); with 0, at their true distances (`select_chunk` / `select`). Within the
 window nothing of this runs.
@@ -259,7 +259,8 @@ class SpotlightDecode:
         past, T = cache.length, q.shape[1]
         if not self.beyond(cache, past + T):
             return causal_attention(q, cache.keys(layer, T), cache.values(layer, T))  # (H, T, D)
-        sinks, retrieved, window = self.far_budget
+        sinks, _, window = self.far_budget
+        retrieved = self.config.far_prefill_retrieved  # a chunk reads fewer than a decode step (SpotlightConfig)
         if self.config.far_fold:  # the flat scan, folded (two-level has no folded scan yet)
             idx = self.selector.select_far(layer, q, cache, past, retrieved, sinks, window, self.config.far_fold,
                                            self.rotations(cache))

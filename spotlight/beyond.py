@@ -83,7 +83,8 @@ def remapped_chunk(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, id
 def fitted_config(config: SpotlightConfig, native: int, chunk: int) -> SpotlightConfig:
     """`config` with its budget past the window lowered, when needed, to fit a model's `native` window."""
     retrieved, window = fitted(config.sinks, config.far_retrieved, config.far_window, chunk, native)
-    return dataclasses.replace(config, far_retrieved=retrieved, far_window=window)
+    return dataclasses.replace(config, far_retrieved=retrieved, far_window=window,
+                               far_prefill_retrieved=min(config.far_prefill_retrieved, retrieved))
 
 
 def fitted(sinks: int, retrieved: int, window: int, chunk: int, native: int) -> tuple[int, int]:

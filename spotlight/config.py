@@ -189,6 +189,13 @@ class SpotlightConfig:
     # 7 (3,584 + 512); what is retrieved, not the recent window, finds the needles (docs/DECISIONS.md).
     far_window: int = 1024
     far_retrieved: int = 4096
+    # A prefill chunk past the window (a document being read, the body of a long message) retrieves
+    # this many instead: its rows are what later questions read, but each of its tokens also sees
+    # its own sentence in the recent window, so the needles hang on the question's retrieval
+    # (far_retrieved), not on this one. Qwen2.5-Coder-0.5B, 8K tokens read past its 32K window (ad hoc,
+    # docs/DECISIONS.md): perplexity 31.73 at 4,096, 31.87 at 2,048, 32.06 at 1,024, 32.19 with
+    # sinks + recent only; 120-130 tokens/s at 4,096, 149-160 at 2,048 (the first 8K ingest ~144).
+    far_prefill_retrieved: int = 2048
     # Past the window a key's code is compared with the query turned back by a multiple of this
     # many tokens, so every candidate is scored as if it lay [far_window, far_window + far_fold)
     # tokens back, where it is read after re-positioning (CodeSelector.select_far); scored at its
@@ -213,8 +220,8 @@ class SpotlightConfig:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
         if min(self.sinks, self.window, self.k_min, self.dense_below, self.two_level_from) < 0:
             raise ValueError("sinks, window, k_min, dense_below and two_level_from must be >= 0")
-        if min(self.far_window, self.far_retrieved) < 1:
-            raise ValueError("far_window and far_retrieved must be >= 1")
+        if min(self.far_window, self.far_retrieved, self.far_prefill_retrieved) < 1:
+            raise ValueError("far_window, far_retrieved and far_prefill_retrieved must be >= 1")
         if self.far_alone < 1:
             raise ValueError(f"far_alone must be >= 1 (the prompt's last token always runs alone), got {self.far_alone}")
         if self.far_fold < 0:

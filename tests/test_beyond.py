@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import kernels
 from conftest import tiny_pair
 from spotlight.attention import CodeSelector, DenseDecode, SinkWindowSelector, SpotlightDecode
-from spotlight.beyond import deltas, fitted, remapped_chunk, remapped_decode, remapped_rows
+from spotlight.beyond import deltas, fitted, fitted_config, remapped_chunk, remapped_decode, remapped_rows
 from spotlight.cache import KVCache
 from spotlight.config import SpotlightConfig
 from spotlight.engine import KV_MEMORY_SHARE, physical_memory_bytes
@@ -264,6 +264,13 @@ def test_a_budget_too_large_for_the_window_is_lowered_to_fit_it():
     assert fitted(4, 2048, 2048, 64, 2048) == (990, 990)  # 4 + 990 + 990 + 64 = 2048
 
 
+def test_the_prefill_budget_is_lowered_with_the_decode_budget_and_never_above_it():
+    fit = fitted_config(SpotlightConfig(far_retrieved=2048, far_window=2048, far_prefill_retrieved=1500), 2048, 64)
+    kept = fitted_config(SpotlightConfig(), 32768, 1024)
+    assert (fit.far_retrieved, fit.far_window, fit.far_prefill_retrieved) == (990, 990, 990)
+    assert (kept.far_retrieved, kept.far_window, kept.far_prefill_retrieved) == (4096, 1024, 2048)
+
+
 def test_engine_reads_past_its_window_with_spotlight_and_refuses_without():
     engine = tiny_engine(spotlight=True, max_seq_len=512)
     assert (engine.native_window, engine.max_context) == (512, 1_000_000)
@@ -370,6 +377,33 @@ def test_past_the_window_a_prompts_last_tokens_each_select_for_themselves(alone,
     with torch.inference_mode():
         logits = prefill(model, context, PROMPT[:70], recorded, chunk=32, alone=alone)
     assert (recorded.calls, len(context.tokens), logits.shape) == (calls, 70, (model.args.vocab_size,))
+
+
+class Budgets(CodeSelector):
+    """CodeSelector that notes, at layer 0, each past-window selection's (queries, retrieved budget)."""
+
+    def __init__(self, encoders):
+        super().__init__(encoders)
+        self.asked = []
+
+    def select_far(self, layer, q, cache, n, retrieved, sinks, window, fold, rotations):
+        if layer == 0:
+            self.asked.append((q.shape[1], retrieved))
+        return super().select_far(layer, q, cache, n, retrieved, sinks, window, fold, rotations)
+
+
+def test_past_the_window_a_prefill_chunk_retrieves_its_own_budget_and_a_step_the_decode_one():
+    """A chunk read past the window retrieves far_prefill_retrieved tokens, every token that runs
+    alone (and every decode step) far_retrieved."""
+    model = tiny_model()
+    policy = spotlight(model, far_prefill_retrieved=8)
+    budgets = Budgets(policy.selector.encoders)
+    policy = SpotlightDecode(policy.config, budgets)
+    context = Context(KVCache(model.args, 128, code_words=policy.code_words))
+    with torch.inference_mode():
+        prefill(model, context, PROMPT[:100], policy, chunk=32, alone=3)
+        model(torch.tensor([7]), context.cache, policy)
+    assert budgets.asked == [(32, 8), (1, 16), (1, 16), (1, 16), (1, 16), (1, 16)]
 
 
 def test_a_reply_runs_the_configured_tokens_alone_and_a_dense_policy_its_last():
