@@ -34,7 +34,9 @@ from typing import Callable, Sequence
 from bench.common import SMALL_MODEL, Target, finish, log, parser, peak_rss_mb
 
 QUICK = {"lengths": [16_384, 32_768]}
-FULL = {"lengths": [16_384, 32_768, 65_536, 131_072]}
+DEFAULT = {"lengths": [16_384, 32_768, 65_536, 131_072]}
+FULL = {"lengths": DEFAULT["lengths"] + [262_144, 524_288]}
+LONGEST_DEFAULT = max(DEFAULT["lengths"])  # a run past it writes a section of its own (`section`)
 NEW_TOKENS = 20  # greedy reply tokens per question: the model restates the question's frame first (~12 tokens)
 # The short ingest / decode the longest length is compared with: 8K less the decoded tokens, so
 # that reference decode stays inside the model's window (at 8,192 + 1 it already runs past it).
@@ -121,15 +123,20 @@ def found(reply: str, answer: str) -> bool:
 
 def haystack(engine, hay: list[int], length: int) -> list[int]:
     """Template head + essays with every needle planted, leaving room for the longest question
-    and its reply within `length` tokens."""
+    and its reply within `length` tokens. Past the essays' ~150K tokens they start again from the
+    first (`repeated`), as the standard needle-in-a-haystack test repeats them."""
     from bench.quality_tasks import chat_frame, sentence_start
 
     head, _ = chat_frame(engine, NEEDLES[0].question)
     planted = [(n.depth, engine.encode(" " + n.sentence + " ")) for n in NEEDLES]
     tail = max(len(chat_frame(engine, n.question)[1]) for n in NEEDLES)
     room = length - len(head) - tail - NEW_TOKENS - sum(len(ids) for _, ids in planted)
-    assert len(hay) >= room, f"the essays hold {len(hay):,} tokens, fewer than {room:,}"
-    return head + plant(hay[:room], planted, lambda ids, at: sentence_start(engine, ids, at))
+    return head + plant(repeated(hay, room), planted, lambda ids, at: sentence_start(engine, ids, at))
+
+
+def repeated(hay: Sequence, n: int) -> list:
+    """The first `n` items of `hay` read again and again from its start."""
+    return [hay[i % len(hay)] for i in range(n)]
 
 
 def truncated(engine, prompt: list[int], keep: int) -> list[int]:
@@ -256,7 +263,8 @@ def main(argv=None) -> dict:
     from bench.quality_tasks import essay_ids
 
     p = parser("longctx", __doc__.splitlines()[0])
-    p.add_argument("--full", action="store_true", help="also 64K and 128K tokens")
+    p.add_argument("--full", action="store_true",
+                   help="also 256K and 512K tokens (the default: 16K, 32K, 64K and 128K; --quick: 16K and 32K)")
     p.add_argument("--lengths", help="comma-separated prompt lengths in tokens (overrides --quick/--full)")
     p.add_argument("--model", default=SMALL_MODEL, metavar="NAME|PATH",
                    help=f"the model (default: {SMALL_MODEL}, whose 8K window the lengths reach past; a model with "
@@ -270,7 +278,7 @@ def main(argv=None) -> dict:
     if unknown or "spotlight" not in methods:
         p.error(f"--methods takes spotlight (always) and any of {', '.join(METHODS[1:3])}; got {args.methods!r}")
     lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
-               else (FULL if args.full else QUICK)["lengths"])
+               else (FULL if args.full else QUICK if args.quick else DEFAULT)["lengths"])
     started = time.perf_counter()
     spot, sink, dense = engines(args.model)
     window = spot.native_window
@@ -296,7 +304,7 @@ def main(argv=None) -> dict:
         llama_rows(n_tokens[longest], speed[longest], llama)
     targets = needle_targets(lengths, cells) + speed_targets(longest, speed[longest]) + \
         llama_targets(longest, speed[longest], llama)
-    notes = notes_for(spot, lengths, len(reference), time.perf_counter() - started)
+    notes = notes_for(spot, lengths, len(reference), time.perf_counter() - started, len(hay))
     if llama is None:
         notes += (" llama.cpp was not measured (the log says why: not built by `make bench-deps`, a model without a "
                   "GGUF, or llama-bench failed or ran past its time).")
@@ -306,10 +314,19 @@ def main(argv=None) -> dict:
     given = (f" --model {args.model}" if other else "") + (f" --lengths {args.lengths}" if args.lengths else "") \
         + (" --full" if args.full and not args.lengths else "") \
         + (f" --methods {args.methods}" if methods != METHODS else "")
-    return finish(f"longctx-{Path(args.model).name}" if other else "longctx", args, rows, targets,
-                  title="Long context: needles and speed past the window (issue #21)"
-                  + (f": {Path(args.model).name}" if other else ""), notes=notes,
-                  command="longctx" + given)
+    name, title = section(args.model if other else None, lengths)
+    return finish(name, args, rows, targets, title=title, notes=notes, command="longctx" + given)
+
+
+def section(model: str | None, lengths: list[int]) -> tuple[str, str]:
+    """(RESULTS.md section key, title) of a run: another model's run, and a run past 128K (--full),
+    each write a section of their own, so a long run does not replace the 16K-128K one."""
+    name, title = "longctx", "Long context: needles and speed past the window (issue #21)"
+    if model is not None:
+        name, title = f"{name}-{Path(model).name}", f"{title}: {Path(model).name}"
+    if max(lengths) > LONGEST_DEFAULT:
+        name, title = f"{name}-full", f"{title}, up to {max(lengths):,} tokens"
+    return name, title
 
 
 def found_of_dense(mine: list[dict], dense: list[dict]) -> int:
@@ -427,13 +444,17 @@ def speed_targets(longest: int, s: dict) -> list[Target]:
     return out
 
 
-def notes_for(engine, lengths, reference_tokens, seconds) -> str:
+def notes_for(engine, lengths, reference_tokens, seconds, essay_tokens: int) -> str:
     cfg = engine.spotlight
+    again = [n for n in lengths if n > essay_tokens]
     return (
         f"The model {Path(engine.source.origin).name} ({engine.config.weights} "
         f"weights, native window {engine.native_window:,} tokens), through the engine's front door. At each length "
         f"({', '.join(f'{n:,}' for n in lengths)} tokens) one chat prompt of Paul Graham essays (held out from the "
-        f"encoders' training) holds {len(NEEDLES)} needles at depths {min(n.depth for n in NEEDLES)}-"
+        f"encoders' training"
+        + (f"; {essay_tokens:,} tokens in all, so at {', '.join(f'{n:,}' for n in again)} they are read again from "
+           f"the first, as the standard needle-in-a-haystack test repeats them" if again else "")
+        + f") holds {len(NEEDLES)} needles at depths {min(n.depth for n in NEEDLES)}-"
         f"{max(n.depth for n in NEEDLES)}, {N_NUMBERS} numbers (\"The special magic number for the "
         f"city of Lisbon is 7481.\", \"The locker code at the Nairobi train station is 6137.\", ...) and {N_PHRASES} "
         f"phrases (\"The secret word for the old harbor is 'blue lantern'.\", ...), each with its own frame; it is prefilled once, "
@@ -443,7 +464,8 @@ def notes_for(engine, lengths, reference_tokens, seconds) -> str:
         f"natural start; 0 = certain). spotlight = the app's path past the window (sinks {cfg.sinks} + "
         f"retrieved {cfg.far_retrieved:,} re-positioned + last {cfg.far_window:,} tokens; far candidates scored "
         f"in blocks of {cfg.far_fold:,} by the query turned back to them (far_fold; 0 = at true distances); the question's last "
-        f"{cfg.far_alone} tokens each a decode step with its own selection (far_alone)); sinks+window = the same "
+        f"{cfg.far_alone} tokens each a decode step with its own selection (far_alone); a prefill chunk past the window "
+        f"retrieves {cfg.far_prefill_retrieved:,} (far_prefill_retrieved)); sinks+window = the same "
         f"budget without retrieval; truncated = dense over the template and the document's last tokens "
         f"({engine.native_window - QUESTION_ROOM:,} in all); dense in window = the same needles and questions in a "
         f"{reference_tokens:,}-token haystack, dense (the model's own ability, the reference). Speed: in the "

@@ -139,3 +139,24 @@ def test_needle_target_counts_only_the_needles_dense_finds():
     (target,) = needle_targets([65536], cells)
     assert (target.name, target.value, target.target) == (
         "needles dense finds within the window, found at 65,536 (2 of 3)", 2 / 3, 0.95)
+
+
+def test_runs_past_128k_and_other_models_write_sections_of_their_own():
+    from bench.longctx import DEFAULT, FULL, QUICK, section
+    assert (QUICK["lengths"], DEFAULT["lengths"], FULL["lengths"]) == (
+        [16_384, 32_768], [16_384, 32_768, 65_536, 131_072], [16_384, 32_768, 65_536, 131_072, 262_144, 524_288])
+    assert [section(None, [16_384, 131_072]), section(None, FULL["lengths"]),
+            section("/models/qwen2.5-coder-0.5b-instruct", [131_072]),
+            section("qwen2.5-coder-0.5b-instruct", [262_144])] == [
+        ("longctx", "Long context: needles and speed past the window (issue #21)"),
+        ("longctx-full", "Long context: needles and speed past the window (issue #21), up to 524,288 tokens"),
+        ("longctx-qwen2.5-coder-0.5b-instruct",
+         "Long context: needles and speed past the window (issue #21): qwen2.5-coder-0.5b-instruct"),
+        ("longctx-qwen2.5-coder-0.5b-instruct-full",
+         "Long context: needles and speed past the window (issue #21): qwen2.5-coder-0.5b-instruct, "
+         "up to 262,144 tokens")]
+
+
+def test_a_haystack_longer_than_the_essays_reads_them_again_from_the_start():
+    from bench.longctx import repeated
+    assert (repeated([1, 2, 3], 7), repeated([1, 2, 3], 2)) == ([1, 2, 3, 1, 2, 3, 1], [1, 2])
