@@ -195,6 +195,8 @@ class SpotlightConfig:
     # (far_retrieved), not on this one. Qwen2.5-Coder-0.5B, 8K tokens read past its 32K window (ad hoc,
     # docs/DECISIONS.md): perplexity 31.73 at 4,096, 31.87 at 2,048, 32.06 at 1,024, 32.19 with
     # sinks + recent only; 120-130 tokens/s at 4,096, 149-160 at 2,048 (the first 8K ingest ~144).
+    # bench.longctx at 131K: prefill 0.833x the first 8K's speed (0.759x at 4,096), needles 15 of
+    # dense's 17 (14 at 4,096).
     far_prefill_retrieved: int = 2048
     # Past the window a key's code is compared with the query turned back by a multiple of this
     # many tokens, so every candidate is scored as if it lay [far_window, far_window + far_fold)
