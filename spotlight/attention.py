@@ -259,8 +259,8 @@ class SpotlightDecode:
         past, T = cache.length, q.shape[1]
         if not self.beyond(cache, past + T):
             return causal_attention(q, cache.keys(layer, T), cache.values(layer, T))  # (H, T, D)
-        sinks, _, window = self.far_budget
-        retrieved = self.config.far_prefill_retrieved  # a chunk reads fewer than a decode step (SpotlightConfig)
+        sinks, step, window = self.far_budget
+        retrieved = min(self.config.far_prefill_retrieved, step)  # a chunk reads no more than a decode step
         if self.config.far_fold:  # the flat scan, folded (two-level has no folded scan yet)
             idx = self.selector.select_far(layer, q, cache, past, retrieved, sinks, window, self.config.far_fold,
                                            self.rotations(cache))

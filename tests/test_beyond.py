@@ -392,18 +392,20 @@ class Budgets(CodeSelector):
         return super().select_far(layer, q, cache, n, retrieved, sinks, window, fold, rotations)
 
 
-def test_past_the_window_a_prefill_chunk_retrieves_its_own_budget_and_a_step_the_decode_one():
-    """A chunk read past the window retrieves far_prefill_retrieved tokens, every token that runs
-    alone (and every decode step) far_retrieved."""
+@pytest.mark.parametrize("prefill_budget, chunk_asks", [(8, 8), (32, 16)])  # never above a step's 16
+def test_past_the_window_a_prefill_chunk_retrieves_its_own_budget_and_a_step_the_decode_one(prefill_budget,
+                                                                                             chunk_asks):
+    """A chunk read past the window retrieves far_prefill_retrieved tokens (at most far_retrieved),
+    every token that runs alone (and every decode step) far_retrieved."""
     model = tiny_model()
-    policy = spotlight(model, far_prefill_retrieved=8)
+    policy = spotlight(model, far_prefill_retrieved=prefill_budget)
     budgets = Budgets(policy.selector.encoders)
     policy = SpotlightDecode(policy.config, budgets)
     context = Context(KVCache(model.args, 128, code_words=policy.code_words))
     with torch.inference_mode():
         prefill(model, context, PROMPT[:100], policy, chunk=32, alone=3)
         model(torch.tensor([7]), context.cache, policy)
-    assert budgets.asked == [(32, 8), (1, 16), (1, 16), (1, 16), (1, 16), (1, 16)]
+    assert budgets.asked == [(32, chunk_asks), (1, 16), (1, 16), (1, 16), (1, 16), (1, 16)]
 
 
 def test_a_reply_runs_the_configured_tokens_alone_and_a_dense_policy_its_last():
