@@ -418,3 +418,9 @@ def test_no_prompt_token_running_alone_is_refused_with_why():
     with pytest.raises(ValueError) as refused:
         SpotlightConfig(far_alone=0)
     assert str(refused.value) == "far_alone must be >= 1 (the prompt's last token always runs alone), got 0"
+
+
+def test_a_prefill_budget_past_the_window_below_one_token_is_refused():
+    with pytest.raises(ValueError) as refused:
+        SpotlightConfig(far_prefill_retrieved=0)
+    assert str(refused.value) == "far_window, far_retrieved and far_prefill_retrieved must be >= 1"
