@@ -25,6 +25,7 @@ beside the Spotlight context's ingest of the longest length: the issue's 1.5x.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import subprocess
 import time
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ def haystack(engine, hay: list[int], length: int) -> list[int]:
 
 def repeated(hay: Sequence, n: int) -> list:
     """The first `n` items of `hay` read again and again from its start."""
-    return [hay[i % len(hay)] for i in range(n)]
+    return list(itertools.islice(itertools.cycle(hay), n))
 
 
 def truncated(engine, prompt: list[int], keep: int) -> list[int]:
