@@ -321,12 +321,13 @@ def main(argv=None) -> dict:
 
 def section(model: str | None, lengths: list[int]) -> tuple[str, str]:
     """(RESULTS.md section key, title) of a run: another model's run, and a run past 128K (--full),
-    each write a section of their own, so a long run does not replace the 16K-128K one."""
+    each write a section of their own, a run past 128K one per longest length (a 256K run does not
+    replace a 512K one, nor either the 16K-128K one)."""
     name, title = "longctx", "Long context: needles and speed past the window (issue #21)"
     if model is not None:
         name, title = f"{name}-{Path(model).name}", f"{title}: {Path(model).name}"
     if max(lengths) > LONGEST_DEFAULT:
-        name, title = f"{name}-full", f"{title}, up to {max(lengths):,} tokens"
+        name, title = f"{name}-{max(lengths) // 1024}k", f"{title}, up to {max(lengths):,} tokens"
     return name, title
 
 

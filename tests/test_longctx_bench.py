@@ -149,10 +149,10 @@ def test_runs_past_128k_and_other_models_write_sections_of_their_own():
             section("/models/qwen2.5-coder-0.5b-instruct", [131_072]),
             section("qwen2.5-coder-0.5b-instruct", [262_144])] == [
         ("longctx", "Long context: needles and speed past the window (issue #21)"),
-        ("longctx-full", "Long context: needles and speed past the window (issue #21), up to 524,288 tokens"),
+        ("longctx-512k", "Long context: needles and speed past the window (issue #21), up to 524,288 tokens"),
         ("longctx-qwen2.5-coder-0.5b-instruct",
          "Long context: needles and speed past the window (issue #21): qwen2.5-coder-0.5b-instruct"),
-        ("longctx-qwen2.5-coder-0.5b-instruct-full",
+        ("longctx-qwen2.5-coder-0.5b-instruct-256k",
          "Long context: needles and speed past the window (issue #21): qwen2.5-coder-0.5b-instruct, "
          "up to 262,144 tokens")]
 
