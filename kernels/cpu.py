@@ -354,22 +354,23 @@ if HAVE_NUMBA:
         return kept
 
     @njit(cache=True)
-    def _sample_bound(qhs, starts, kf, capacity, sinks_end, m, r, runs, tile, flags, hist, g_tag, w_tag):
+    def _sample_bound(qhs, starts, kf, capacity, sinks_end, m, r, runs, halves, tile, flags, hist, g_tag, w_tag):
         """A starting bound for the scan of one head's middle [sinks_end, sinks_end + m): the score
         above which `runs` evenly spread runs of the SAMPLE_RUNS * SAMPLE_RUN sampled tokens hold
-        1.5x their share of r (+ 16), minus 1; -1 (keep everything) when that share is most of the
-        sample. Called only for a middle of at least SAMPLE_FROM tokens and at least SAMPLE_K
-        selected (`score_select`). The flat scan samples SAMPLE_RUNS runs; a folded one (R blocks,
-        whose scores differ block to block) at least two runs per block (`_sample_runs`).
+        `halves` / 2 times their share of r (+ 16), minus 1; -1 (keep everything) when that share
+        is most of the sample. Called only for a middle of at least SAMPLE_FROM tokens and at least
+        SAMPLE_K selected (`score_select`). The flat scan samples SAMPLE_RUNS runs for 1.5x its
+        share; a folded one (R blocks, whose scores differ block to block) at least two runs per
+        block for 2.5x (`_sample_runs`, `_sample_halves`).
 
         Only a speed-up: with r = 10 % of the middle the running bound alone keeps ~3.3 r
-        candidates, this one ~1.7 r. Whether >= r tokens really score above it is checked after
+        candidates, 1.5x ~1.7 r. Whether >= r tokens really score above it is checked after
         the scan (`_short_heads`), and a head short of them is scanned again from -1. A run is
         scored with the query words of the block it starts in (an estimate either way).
         """
         run = SAMPLE_RUNS * SAMPLE_RUN // runs
         total = runs * run
-        want = (3 * total * r) // (2 * m) + 16
+        want = (halves * total * r) // (2 * m) + 16
         if want >= total:
             return -1
         hist[:] = 0
@@ -476,13 +477,13 @@ if HAVE_NUMBA:
                 taken_ties += tie
 
     @njit(cache=True)
-    def _sample_bounds(qn, starts, k, layout, runs, tile, flags, hist, bounds, g_tag, w_tag):
+    def _sample_bounds(qn, starts, k, layout, runs, halves, tile, flags, hist, bounds, g_tag, w_tag):
         """bounds[h] = _sample_bound of each head (one thread: a few microseconds); qn (Hkv, R, L)."""
         hkv, _, capacity = k.shape
         n, sinks_end, window_start, r = layout
         for h in range(hkv):
             bounds[h] = _sample_bound(qn[h], starts, k[h].ravel(), capacity, sinks_end, window_start - sinks_end,
-                                      r, runs, tile, flags, hist, g_tag, w_tag)
+                                      r, runs, halves, tile, flags, hist, g_tag, w_tag)
 
     @njit(parallel=True, cache=True)
     def _scan_jit(qn, starts, k, layout, chunks, tile, flags, hist, cand_index, cand_score, counts, bounds, g_tag,
@@ -815,6 +816,15 @@ def _sample_runs(blocks: int) -> int:
     return SAMPLE_RUNS if blocks == 1 else min(max(SAMPLE_RUNS, 2 * blocks), SAMPLE_RUNS * SAMPLE_RUN // 32)
 
 
+def _sample_halves(blocks: int) -> int:
+    """The sampled bound's margin, in halves of r's share (`_sample_bound`): 1.5x for the flat scan;
+    2.5x for a folded one, whose two 32-token runs per block miss how real text's matches bunch: on
+    the default model's 131K context (the saved bench.longctx prompt, 24 tokens through Engine.stream)
+    1.5x left some head short, and so rescanned from -1, in 108 of 600 layer-steps, 2.5x in 1, with
+    the same selections (docs/DECISIONS.md)."""
+    return 3 if blocks == 1 else 5
+
+
 def _fused_select(q, starts, kc, layout, group: int, words: int, dest, scratch) -> None:
     """The fused scan of score_select(_blocks): q (R, H, W) over the blocks of starts (R + 1,)."""
     hkv = kc.shape[0]
@@ -826,8 +836,8 @@ def _fused_select(q, starts, kc, layout, group: int, words: int, dest, scratch) 
     scan = (qn, starts, kc, layout, chunks, buf.tile, buf.flags, buf.hist, buf.cand_index, buf.cand_score,
             buf.counts, buf.bounds, g_tag, w_tag)
     if layout.middle >= SAMPLE_FROM and layout.retrieved >= SAMPLE_K:  # below, the sample costs more than it saves
-        _sample_bounds(qn, starts, kc, layout, _sample_runs(len(q)), buf.tile[0], buf.flags[0], buf.hist[0],
-                       buf.bounds, g_tag, w_tag)
+        _sample_bounds(qn, starts, kc, layout, _sample_runs(len(q)), _sample_halves(len(q)), buf.tile[0],
+                       buf.flags[0], buf.hist[0], buf.bounds, g_tag, w_tag)
     else:
         buf.bounds[:] = -1  # every head's scan starts from the bottom
     _scan_jit(*scan)

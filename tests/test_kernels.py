@@ -377,6 +377,29 @@ def test_score_select_scans_again_a_head_its_sample_overrates(backend):
         assert scratch.bounds.tolist() == [-1, -1]  # both heads were scanned again from -1
 
 
+def test_a_folded_scan_samples_a_wider_margin_so_bunched_matches_are_not_scanned_twice():
+    """Matches bunched where the sample looks: the first 100 tokens of each sampled run match the
+    query, nothing else does, and 4,000 are selected. The flat scan's sampled bound (1.5x the share)
+    keeps only those 800 and scans both heads again; the folded scan (four blocks, one query, so the
+    same scores and the same eight runs) samples for 2.5x the share, keeps enough at once, and
+    selects the same tokens."""
+    n, budget, window = cpu.SAMPLE_FROM + 3001, 4000, 256
+    q, k = random_codes(np.random.default_rng(7), 2, 1, 2, n + 5)
+    layout = kernels.selection_layout(n, budget, SINKS, window)
+    m = layout.middle
+    for i in range(cpu.SAMPLE_RUNS):
+        t0 = layout.sinks_end + i * (m - cpu.SAMPLE_RUN) // (cpu.SAMPLE_RUNS - 1)
+        k[:, :, t0 : t0 + 100] = q.reshape(2, 2, 1)  # (Hkv, W, 100): G = 1
+    s = ref_scores(q, k, n)
+    assert (s[:, layout.sinks_end : layout.window_start] == 128).sum(axis=1).tolist() == [800, 800]
+    blocks = [layout.sinks_end + m * i // 4 for i in range(4)] + [layout.window_start]
+    flat, folded = kernels.make_scratch(q, k), kernels.make_scratch(q, k)
+    got_flat = kernels.score_select(q, k, n, budget, SINKS, window, scratch=flat)
+    got_folded = kernels.score_select_blocks(np.stack([q] * 4), k, n, blocks, budget, SINKS, window, scratch=folded)
+    np.testing.assert_array_equal(np.stack([got_flat, got_folded]), np.stack([ref_select_fast(s, budget, SINKS, window)] * 2))
+    assert (flat.bounds.tolist(), folded.bounds.tolist()) == ([-1, -1], [-2, -2])  # -1: scanned again; -2: done
+
+
 @pytest.mark.parametrize("sinks,window", [(0, 0), (0, 5), (7, 0), (600, 600), (1, 1)])
 def test_select_sinks_and_window_edges(backend, sinks, window):
     rng = np.random.default_rng(sinks + window)
