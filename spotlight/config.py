@@ -202,8 +202,11 @@ class SpotlightConfig:
     # many tokens, so every candidate is scored as if it lay [far_window, far_window + far_fold)
     # tokens back, where it is read after re-positioning (CodeSelector.select_far); scored at its
     # true distance, up to 30x what the codes were trained on, far noise crowds out the answer.
-    # 0: true distances (docs/DECISIONS.md).
-    far_fold: int = 4096
+    # 0: true distances (docs/DECISIONS.md). At most half the model's window (beyond.fitted_config:
+    # SmolLM2-135M's 8K window keeps 4,096). 8,192, not 4,096: half the turned-back queries to code
+    # per layer and step; on Qwen2.5-Coder-0.5B's saved 131K context the 20 needles were answered
+    # the same at 4,096, 8,192 and 16,384 (16 found; answer log-prob -1.00, -1.03, -1.10).
+    far_fold: int = 8192
     # Past the window, the last `far_alone` prompt tokens before a reply (a question, a new turn)
     # run one at a time as decode steps, each selecting for its own query; the rest of a prompt,
     # and a document read without a reply, run in chunks that share one selection. Qwen2.5-Coder-

@@ -101,7 +101,7 @@ def tiny_engine(
     if spotlight:
         far = min(2048, max_seq_len // 4)  # past the window: sinks + far + far + a chunk fit inside it
         config = SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16, far_window=far,
-                                 far_retrieved=far)
+                                 far_retrieved=far, far_fold=max_seq_len // 2)  # as beyond.fitted_config fits them
         spec = EncoderSpec.for_model(args, config.bits)
         encoders = Encoders(spec, seed=seed if encoder_seed is None else encoder_seed, model_fingerprint="tiny")
         policy = SpotlightDecode(config, CodeSelector(encoders))

@@ -271,6 +271,12 @@ def test_the_prefill_budget_is_lowered_with_the_decode_budget_and_never_above_it
     assert (kept.far_retrieved, kept.far_window, kept.far_prefill_retrieved) == (4096, 1024, 2048)
 
 
+def test_the_fold_is_at_most_half_the_window_and_zero_stays_zero():
+    folds = [fitted_config(SpotlightConfig(far_fold=fold), native, 1024).far_fold
+             for fold, native in ((8192, 32768), (8192, 8192), (8192, 2048), (0, 8192), (3000, 8192))]
+    assert folds == [8192, 4096, 1024, 0, 3000]  # Qwen2.5's 32K window, SmolLM2's 8K, a 2K one, unfolded, as set
+
+
 def test_engine_reads_past_its_window_with_spotlight_and_refuses_without():
     engine = tiny_engine(spotlight=True, max_seq_len=512)
     assert (engine.native_window, engine.max_context) == (512, 1_000_000)

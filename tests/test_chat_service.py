@@ -501,9 +501,9 @@ def test_spotlight_settings_swap_the_decode_policy_and_never_reuse_wrong_state(t
     engine = on.engine
     assert (engine.model, engine.tokenizer, type(engine.policy), engine.policy.config) == (
         dense.model, dense.tokenizer, SpotlightDecode,
-        replace(small, far_window=990, far_retrieved=990, far_prefill_retrieved=990))  # the model kept, the
-    # policy swapped, its budget past the window fitted to the 2,048-token window: 4 sinks + 990 + 990 + a
-    # 64-token chunk (a chunk's budget never above a step's)
+        replace(small, far_window=990, far_retrieved=990, far_prefill_retrieved=990, far_fold=1024))  # the model
+    # kept, the policy swapped, its budget past the window fitted to the 2,048-token window: 4 sinks + 990 + 990
+    # + a 64-token chunk (a chunk's budget never above a step's), its fold half the window
     assert type(dense.policy) is DenseDecode  # the old engine is untouched (a running reply keeps it)
     assert [w.split(":")[0] for w in on.warnings()] == ["no trained Spotlight encoders for this model at 64 bits"]
     _, second = finish(on.send(session.id, "And on Sunday?"))

@@ -1,6 +1,7 @@
 """The engine's front door (issue #18): prefill, the Context row API, with_spotlight,
 fingerprints, observers and warm-up, on the tiny random engine of spotlight/testing.py."""
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -148,7 +149,7 @@ def test_fingerprints_and_decode_mode():
     assert (dense.decodes_densely, dense.spotlight) == (True, None)
     assert not sparse.decodes_densely
     assert sparse.spotlight == SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16,
-                                               far_window=2048, far_retrieved=2048)  # testing.tiny_engine's
+                                               far_window=2048, far_retrieved=2048, far_fold=4096)  # tiny_engine's
 
 
 def test_with_spotlight_returns_the_same_engine_when_unchanged():
@@ -163,7 +164,7 @@ def test_with_spotlight_makes_a_new_engine_and_leaves_the_original_untouched():
     config = SpotlightConfig(bits=64, dense_below=0)
     sparse = dense.with_spotlight(config)
     assert sparse is not dense and sparse.model is dense.model and sparse.tokenizer is dense.tokenizer
-    assert (sparse.spotlight, sparse.decodes_densely) == (config, False)
+    assert (sparse.spotlight, sparse.decodes_densely) == (replace(config, far_fold=4096), False)  # half the window
     assert sparse.warnings and "untrained" in sparse.warnings[0]  # no shipped encoders for the tiny model
     assert dense.policy is policy and dense.decodes_densely and dense.fingerprints.encoders == ""
     back = sparse.with_spotlight(SpotlightConfig(enabled=False))
