@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from spotlight.attention import CodeSelector, DenseDecode, SpotlightDecode
+from spotlight.beyond import fitted_config
 from spotlight.config import EngineConfig, ModelArgs, SpotlightConfig
 from spotlight.engine import Engine
 from spotlight.hashing import EncoderSpec, Encoders
@@ -100,8 +101,8 @@ def tiny_engine(
     policy = DenseDecode()
     if spotlight:
         far = min(2048, max_seq_len // 4)  # past the window: sinks + far + far + a chunk fit inside it
-        config = SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16, far_window=far,
-                                 far_retrieved=far, far_fold=max_seq_len // 2)  # as beyond.fitted_config fits them
+        config = fitted_config(SpotlightConfig(bits=64, dense_layers=(0,), dense_below=64, k_min=16, window=16,
+                                               far_window=far, far_retrieved=far), max_seq_len, prefill_chunk)
         spec = EncoderSpec.for_model(args, config.bits)
         encoders = Encoders(spec, seed=seed if encoder_seed is None else encoder_seed, model_fingerprint="tiny")
         policy = SpotlightDecode(config, CodeSelector(encoders))
