@@ -37,7 +37,7 @@ from chat.api import ApiConfig  # noqa: E402
 from chat.errors import ChatError, ConversationChanged, ModelUnavailable, NotFoundError  # noqa: E402
 from chat.http_api import ApiServer, api_routes  # noqa: E402
 from chat.service import ChatService  # noqa: E402
-from chat.config import (ACTIVATIONS, ACTIVATIONS_HELP, KERNEL_THREADS_HELP, KV_DTYPE_HELP, KV_DTYPES, GB, MB, QUANTIZE, QUANTIZE_HELP, WEIGHTS,  # noqa: E402
+from chat.config import (ACTIVATIONS, ACTIVATIONS_HELP, FAR_PRODUCTS, FAR_PRODUCTS_HELP, KERNEL_THREADS_HELP, KV_DTYPE_HELP, KV_DTYPES, GB, MB, QUANTIZE, QUANTIZE_HELP, WEIGHTS,  # noqa: E402
                          WEIGHTS_HELP, AppConfig, EngineConfig, SpotlightConfig, UploadLimits)
 
 # Gradio's own sweep of its temporary folder (every 10 minutes, files older than an hour): a backstop
@@ -927,6 +927,7 @@ def parse_args(argv=None):
     p.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
     p.add_argument("--activations", choices=ACTIVATIONS, default=EngineConfig.activations, help=ACTIVATIONS_HELP)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=EngineConfig.kv_dtype, help=KV_DTYPE_HELP)
+    p.add_argument("--far-products", choices=FAR_PRODUCTS, default=EngineConfig.far_products, help=FAR_PRODUCTS_HELP)
     p.add_argument("--kernel-threads", type=int, default=None, help=KERNEL_THREADS_HELP)
     p.add_argument("--max-new-tokens", type=int, default=None, help="longest reply in tokens (default: 256)")
     p.add_argument("--max-upload-mb", type=float, default=UploadLimits.max_bytes / MB,
@@ -960,7 +961,8 @@ def startup_config(args, saved: dict) -> AppConfig:
     ValueError for an impossible upload limit, context cap or disk budget."""
     uploads = UploadLimits(max_bytes=round(args.max_upload_mb * MB), max_tokens=args.max_document_tokens)
     engine = EngineConfig(weights=args.weights, quantize=args.quantize, activations=args.activations,
-                          kv_dtype=args.kv_dtype, packages_dir=os.environ.get(PACKAGES_ENV))
+                          kv_dtype=args.kv_dtype, far_products=args.far_products,
+                          packages_dir=os.environ.get(PACKAGES_ENV))
     if args.kernel_threads is not None:
         engine = replace(engine, kernel_threads=args.kernel_threads)
     config = ui.saved_config(AppConfig(engine=engine, host=args.host, port=args.port, uploads=uploads,

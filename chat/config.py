@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from memory.config import StoreConfig
-from spotlight.config import (ACTIVATIONS, ACTIVATIONS_HELP, KERNEL_THREADS_HELP, KV_DTYPE_HELP, KV_DTYPES, QUANTIZE, QUANTIZE_HELP,
+from spotlight.config import (ACTIVATIONS, ACTIVATIONS_HELP, FAR_PRODUCTS, FAR_PRODUCTS_HELP, KERNEL_THREADS_HELP, KV_DTYPE_HELP, KV_DTYPES, QUANTIZE, QUANTIZE_HELP,
                               WEIGHTS, WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home)
 from spotlight.config import TrainingJobConfig
 
@@ -18,7 +18,7 @@ from spotlight.config import TrainingJobConfig
 REGENERATE_TEMPERATURE = 0.7
 REGENERATE_TOP_P = 0.9
 
-__all__ = ["GB", "size_text", "ACTIVATIONS", "ACTIVATIONS_HELP", "KERNEL_THREADS_HELP", "KV_DTYPE_HELP", "KV_DTYPES", "MB", "QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE",
+__all__ = ["GB", "size_text", "ACTIVATIONS", "ACTIVATIONS_HELP", "FAR_PRODUCTS", "FAR_PRODUCTS_HELP", "KERNEL_THREADS_HELP", "KV_DTYPE_HELP", "KV_DTYPES", "MB", "QUANTIZE", "QUANTIZE_HELP", "REGENERATE_TEMPERATURE",
            "REGENERATE_TOP_P", "SOURCES", "WEIGHTS",
            "WEIGHTS_HELP", "AppConfig", "EngineConfig", "SamplingConfig", "SpotlightConfig", "StoreConfig",
            "TrainingJobConfig", "UploadLimits"]

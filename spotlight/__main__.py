@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import (ACTIVATIONS, ACTIVATIONS_HELP, KERNEL_THREADS_HELP, KV_DTYPE_HELP, KV_DTYPES, QUANTIZE, QUANTIZE_HELP, WEIGHTS,
+from .config import (ACTIVATIONS, ACTIVATIONS_HELP, FAR_PRODUCTS, FAR_PRODUCTS_HELP, KERNEL_THREADS_HELP, KV_DTYPE_HELP, KV_DTYPES, QUANTIZE, QUANTIZE_HELP, WEIGHTS,
                      WEIGHTS_HELP, EngineConfig, SamplingConfig, SpotlightConfig, default_home)
 from .errors import SpotlightError
 from .loading import DEFAULT_MODEL
@@ -57,6 +57,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     m.add_argument("--quantize", choices=QUANTIZE, default=EngineConfig.quantize, help=QUANTIZE_HELP)
     m.add_argument("--activations", choices=ACTIVATIONS, default=EngineConfig.activations, help=ACTIVATIONS_HELP)
     m.add_argument("--kv-dtype", choices=KV_DTYPES, default=EngineConfig.kv_dtype, help=KV_DTYPE_HELP)
+    m.add_argument("--far-products", choices=FAR_PRODUCTS, default=EngineConfig.far_products, help=FAR_PRODUCTS_HELP)
     m.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
                    help=f"tokens per prefill chunk (default: {EngineConfig.prefill_chunk})")
     a = p.add_argument_group("Spotlight attention")
@@ -80,7 +81,7 @@ def _configs(args) -> tuple[EngineConfig, SamplingConfig, SpotlightConfig]:
     threads = {} if args.kernel_threads is None else {"kernel_threads": args.kernel_threads}
     engine = EngineConfig(model_path=args.model, device=args.device, threads=args.threads,
                           weights=args.weights, quantize=args.quantize,
-                          activations=args.activations, kv_dtype=args.kv_dtype,
+                          activations=args.activations, kv_dtype=args.kv_dtype, far_products=args.far_products,
                           prefill_chunk=args.prefill_chunk, encoder_path=args.encoders,
                           packages_dir=os.environ.get("SPOTLIGHT_PACKAGES"), **threads)
     spotlight = SpotlightConfig(enabled=not args.no_spotlight, ratio=args.ratio, bits=args.bits)

@@ -258,6 +258,7 @@ WEIGHTS = ("quantized", "fp32")  # EngineConfig.weights
 QUANTIZE = ("q8_0",)  # EngineConfig.quantize
 ACTIVATIONS = ("int16", "fp32")  # EngineConfig.activations (kernels.quant.ACTIVATIONS, the kernels' names)
 KV_DTYPES = ("auto", "float32", "float16")  # EngineConfig.kv_dtype
+FAR_PRODUCTS = ("auto", "bfloat16", "float32")  # EngineConfig.far_products
 # What each choice costs, in the words of `--help` and the Settings tab (SmolLM2-135M's numbers:
 # docs/notes-quant.md).
 WEIGHTS_HELP = ("a GGUF's weights: quantized (default) decodes from the file's blocks, no fp32 copy (~1/5 of the "
@@ -270,6 +271,12 @@ KV_DTYPE_HELP = ("how cached keys and values are kept, in memory and in the cach
                  "memory and disk of float32 per token (each value rounds by at most ~5e-4 relative; every product "
                  "and sum is still fp32; perplexity moved 4e-5 relative on SmolLM2); auto (default) is float16 on "
                  "the CPU and the model's own dtype on a GPU")
+FAR_PRODUCTS_HELP = ("the weight products of a quantized model's prefill chunks past its own context window (a long "
+                     "document being read): bfloat16 rounds their inputs to bf16 and sums in fp32, ~1.4x the "
+                     "tokens/s there on a CPU with bf16 dot products (AVX512-BF16 or AMX); after 4,096 such tokens "
+                     "Qwen2.5-0.5B's next-token logits moved by 1.8 percent of their largest value, the top token the "
+                     "same; float32 keeps them exact; auto (default) is bfloat16 where the CPU has them. Inside the "
+                     "window every product stays fp32")
 QUANTIZE_HELP = ("q8_0: quantize a Hugging Face model's linears at load (seconds; the load still peaks at the fp32 "
                  "size) so decode reads ~1/4 of the fp32 bytes per token; logits move by ~1e-2 relative (default: off)")
 
@@ -322,6 +329,12 @@ class EngineConfig:
     # (kernels/attend.c); "auto" is float16 on the CPU, else dtype; "float32" keeps them as computed.
     # A kv_dtype other than dtype is CPU only.
     kv_dtype: str = "auto"
+    # The weight products of a quantized model's prefill chunks past its native window (FAR_PRODUCTS_HELP):
+    # "bfloat16" runs them on bf16 inputs with fp32 sums (torch's oneDNN GEMM), 2.6x fp32's GFLOP/s on
+    # this AVX512-BF16 CPU and ~1.45x the tokens/s of a chunk there (docs/DECISIONS.md, "bf16 past the
+    # window"); past the window attention already reads a retrieved subset, and inside it nothing
+    # changes. "auto": bfloat16 where the CPU multiplies bf16 natively, else "float32" (exact, as before).
+    far_products: str = "auto"
 
     @property
     def cache_dtype(self) -> str:
@@ -336,6 +349,8 @@ class EngineConfig:
         if self.kv_dtype not in ("auto", self.dtype) and self.device != "cpu":
             raise ValueError(f"kv_dtype {self.kv_dtype} differs from dtype {self.dtype}, which only the CPU "
                              f"kernels read; use device cpu, or kv_dtype auto on {self.device}")
+        if self.far_products not in FAR_PRODUCTS:
+            raise ValueError(f"far_products must be one of {', '.join(FAR_PRODUCTS)}; got {self.far_products!r}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}; got {self.activations!r}")
         if self.quantize is not None and self.quantize not in QUANTIZE:

@@ -37,7 +37,7 @@ from .generate import Context, ProgressFn, Step, prefill, stream
 from .model import Transformer, build_model
 from .observers import StepObserver
 from .onerow import use_onerow_linear
-from .quantized import build_quantized_model, quantize_to_q8_0, use_fused_decode
+from .quantized import build_quantized_model, far_dtype, quantize_to_q8_0, use_fused_decode
 from .tokens import PieceTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,13 +92,14 @@ class Engine:
         args = loading.load_args(source)
         tokenizer = loading.load_tokenizer(source)
         if quantizes(config, source):  # built from the GGUF's blocks, no fp32 copy (spotlight/quantized.py)
-            model, _ = build_quantized_model(source.gguf_file, args, config.activations)
+            model, _ = build_quantized_model(source.gguf_file, args, config.activations, far_dtype(config.far_products))
         else:
             model = build_model(args, loading.load_state_dict(source), dtype=_DTYPES[config.dtype],
                                 device=config.device)
         use_onerow_linear(model)  # decode steps' weight products on the one-row kernel (spotlight/onerow.py)
         if config.quantize == "q8_0" and source.gguf_file is None and wants_quantized(config):
-            quantize_to_q8_0(model, config.activations)  # a Hugging Face model's linears into Q8_0 blocks
+            # a Hugging Face model's linears into Q8_0 blocks
+            quantize_to_q8_0(model, config.activations, far_dtype(config.far_products))
         use_fused_decode(model)  # decode steps' block work in compiled calls where the linears allow
         policy, warnings = DenseDecode(), []
         if spotlight is not None and spotlight.enabled:

@@ -16,6 +16,7 @@ in at load time.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -285,11 +286,19 @@ class Transformer(nn.Module):
         # Every block of a dense decode step in one compiled call, where all blocks are fused
         # (spotlight/quantized.py FusedStep, set by use_fused_decode).
         self.fused_step = None
+        # A context manager factory the blocks of a chunk past the native window run inside
+        # (quantized.DequantBuffer.lowered: their weight products in bf16), set by use_far_products.
+        self.far_products = None
 
     def use_fused_step(self, step) -> None:
         """Run one-token steps that attend to every cached row (DecodePolicy.dense_step) through
         `step` (a FusedStep of this model) or, with None, block by block."""
         self.fused_step = step
+
+    def use_far_products(self, lowered) -> None:
+        """Run the blocks of prefill chunks that reach past the native window inside `lowered()`
+        (a context manager factory: quantized.DequantBuffer.lowered), or, with None, as any other."""
+        self.far_products = lowered
 
     def setup_rope(self, n_positions: int) -> None:
         """Precompute cos/sin for positions [0, n_positions) within the native window; called when
@@ -321,11 +330,13 @@ class Transformer(nn.Module):
                 for observer in observers:
                     observer.on_layer(i, step.query(i), cache, None)
         else:
-            last = len(self.layers) - 1
-            for i, block in enumerate(self.layers):
-                # Only the last position's logits are wanted: the last layer's attention output and
-                # MLP run for it alone (its keys and values all enter the cache; ~1/L of a prefill saved).
-                x = block(x, cos, sin, cache, policy, mask, i == last and not all_logits, observers)
+            far = self.far_products is not None and T > 1 and start + T > self.args.max_seq_len
+            with self.far_products() if far else contextlib.nullcontext():
+                last = len(self.layers) - 1
+                for i, block in enumerate(self.layers):
+                    # Only the last position's logits are wanted: the last layer's attention output and
+                    # MLP run for it alone (its keys and values all enter the cache; ~1/L of a prefill saved).
+                    x = block(x, cos, sin, cache, policy, mask, i == last and not all_logits, observers)
         cache.advance(T)
         logits = self.output(self.norm(x))  # (T or 1, V)
         return logits if all_logits else logits[0]

@@ -18,6 +18,7 @@ moving whole rows (the blocks run along the columns, so a row permutation keeps 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import struct
@@ -51,11 +52,19 @@ PERMUTED_ARCHITECTURES = ("llama",)  # general.architecture values whose attn_q 
 
 class DequantBuffer:
     """One fp32 buffer that a prefill chunk's QuantLinear dequantises its weight into, sized for
-    the largest matrix that needs it and allocated at the first prefill (decode never does)."""
+    the largest matrix that needs it and allocated at the first prefill (decode never does).
 
-    def __init__(self):
+    `far_dtype` bfloat16 (EngineConfig.far_products): within `lowered()` (the model's forward of a
+    chunk past its native window, Transformer.use_far_products) each such product runs on bf16
+    copies of the weight (a second reused buffer) and of the input, torch's bf16 GEMM summing in
+    fp32, the bias added in fp32 after."""
+
+    def __init__(self, far_dtype: torch.dtype = torch.float32):
         self.elements = 0  # F * E of the largest registered matrix
         self.buffer: torch.Tensor | None = None
+        self.far_dtype = far_dtype
+        self.low: torch.Tensor | None = None  # the bf16 weight buffer, made at the first lowered product
+        self.lowering = False  # inside lowered()
 
     def register(self, rows: int, cols: int) -> None:
         self.elements = max(self.elements, rows * cols)
@@ -64,6 +73,29 @@ class DequantBuffer:
         if self.buffer is None:
             self.buffer = torch.empty(max(self.elements, cols), dtype=torch.float32)
         return self.buffer[: rows * cols].view(rows, cols)  # (F, E)
+
+    def low_view(self, rows: int, cols: int) -> torch.Tensor:
+        if self.low is None:
+            self.low = torch.empty(max(self.elements, cols), dtype=self.far_dtype)
+        return self.low[: rows * cols].view(rows, cols)  # (F, E)
+
+    @contextlib.contextmanager
+    def lowered(self):
+        """Products in far_dtype while inside (a no-op for float32)."""
+        self.lowering = self.far_dtype != torch.float32
+        try:
+            yield
+        finally:
+            self.lowering = False
+
+
+def far_dtype(far_products: str) -> torch.dtype:
+    """The dtype EngineConfig.far_products resolves to on this machine: "auto" is bfloat16 where the
+    CPU multiplies bf16 natively (AVX512-BF16 or AMX, as torch reports), else float32."""
+    if far_products == "auto":
+        checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+        return torch.bfloat16 if any(check is not None and check() for check in checks) else torch.float32
+    return getattr(torch, far_products)
 
 
 class QuantLinear(nn.Module):
@@ -111,7 +143,16 @@ class QuantLinear(nn.Module):
             return self._one_row(x.contiguous())
         if self.chunked:
             return self._in_row_runs(x)
+        if self.scratch.lowering:
+            return self._lowered(x)
         return F.linear(x, self._dense_weight(), self.bias)
+
+    def _lowered(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, E) @ W.T + bias with x and W rounded to the scratch's far_dtype, summed in fp32 -> (T, F) fp32."""
+        weight = self.scratch.low_view(self.out_features, self.in_features)  # (F, E)
+        weight.copy_(self._dense_weight())
+        out = F.linear(x.to(weight.dtype), weight).float()  # (T, F)
+        return out if self.bias is None else out.add_(self.bias)
 
     def _in_row_runs(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear over runs of rows of the (single) part, each dequantised into the buffer."""
@@ -532,8 +573,8 @@ def _layer_dense(tensors: dict, args: ModelArgs, layer: int, module: str, permut
     return torch.cat(parts)
 
 
-def build_quantized_model(gguf_path: Path, args: ModelArgs, activations: str = "fp32"
-                          ) -> tuple[nn.Module, QuantizedSwap]:
+def build_quantized_model(gguf_path: Path, args: ModelArgs, activations: str = "fp32",
+                          far_products: torch.dtype = torch.float32) -> tuple[nn.Module, QuantizedSwap]:
     """The model straight from the GGUF, no fp32 copy of its weights: linears are QuantLinears on
     the file's memory-mapped blocks, the token embedding a QuantEmbedding (the tied output
     projection reads the same blocks), norms and biases fp32 from the file. A tensor whose type
@@ -542,7 +583,8 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs, activations: str = "
     Prefill (T > 1) dequantises each layer's matrices into one reused buffer (the largest layer
     matrix: 7 MB for SmolLM2); the output projection, needed for T > 1 only by all_logits calls,
     runs in row runs of that buffer. Raises CorruptTensor for a missing, truncated or mis-shaped
-    tensor."""
+    tensor. `far_products` bfloat16: the layers' products of a chunk past the model's window run in
+    bf16 (DequantBuffer, Transformer.use_far_products)."""
     from .model import Transformer, rope_inv_freq
     from .onerow import OneRowLinear
 
@@ -550,7 +592,7 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs, activations: str = "
     permuted = meta.get("general.architecture") in PERMUTED_ARCHITECTURES
     with torch.device("meta"):
         model = Transformer(args)
-    scratch = DequantBuffer()
+    scratch = DequantBuffer(far_products)
     swapped, kept, nbytes = [], [], 0
 
     def fp32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -601,6 +643,7 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs, activations: str = "
         weight = model.tok_embeddings.weight if tied else _fp32_tensor(tensors, OUTPUT_TENSOR)
         model.output = fp32_linear(weight, None)
     model.inv_freq = rope_inv_freq(args)
+    model.use_far_products(scratch.lowered if far_products != torch.float32 else None)
     left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"GGUF model built with tensors left unloaded: {left[:5]}"
     return model.eval().requires_grad_(False), QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
@@ -609,13 +652,15 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs, activations: str = "
 QUANTIZE_MODULES = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
 
 
-def quantize_to_q8_0(model: nn.Module, activations: str = "fp32") -> QuantizedSwap:
+def quantize_to_q8_0(model: nn.Module, activations: str = "fp32",
+                     far_products: torch.dtype = torch.float32) -> QuantizedSwap:
     """`--quantize q8_0` for a Hugging Face model: every layer linear and the output projection
     quantized at load into Q8_0 blocks (kernels.quant.quantize_q8_0, gguf's own bytes), in place.
     Decode reads the blocks with the same kernels as a GGUF's (~27 % of the fp32 bytes); prefill
     dequantises into one shared buffer. A tied output keeps using the fp32 embedding (kept anyway
-    for the lookup) in prefill. A matrix whose width is not a multiple of 32 stays fp32."""
-    scratch = DequantBuffer()
+    for the lookup) in prefill. A matrix whose width is not a multiple of 32 stays fp32.
+    `far_products`: as build_quantized_model's."""
+    scratch = DequantBuffer(far_products)
     swapped, kept, nbytes = [], [], 0
     targets = [f"layers.{i}.{m}" for i in range(len(model.layers)) for m in QUANTIZE_MODULES] + ["output"]
     tied = model.output.weight is model.tok_embeddings.weight
@@ -633,6 +678,7 @@ def quantize_to_q8_0(model: nn.Module, activations: str = "fp32") -> QuantizedSw
         setattr(parent, attr, QuantLinear([matrix], old.bias, scratch, dense, activations=activations))
         swapped.append(path)
         nbytes += matrix.nbytes
+    model.use_far_products(scratch.lowered if far_products != torch.float32 else None)
     release_freed_memory()
     return QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
 

@@ -602,3 +602,61 @@ def test_engine_config_validates_quantize():
     assert EngineConfig().quantize is None and EngineConfig(quantize="q8_0").quantize == "q8_0"
     with pytest.raises(ValueError, match="quantize must be one of q8_0 or None; got 'q4_0'"):
         EngineConfig(quantize="q4_0")
+
+
+def test_a_lowered_product_runs_on_bf16_copies_and_adds_the_bias_in_fp32():
+    """QuantLinear inside DequantBuffer.lowered(): the dequantised weight and the input rounded to
+    bf16, torch's bf16 product, the bias added in fp32 after; outside it, the exact fp32 product."""
+    from conftest import tiny_pair as hf_pair
+    from spotlight.quantized import DequantBuffer
+
+    _, fp32 = hf_pair("qwen2", seed=6)
+    wqkv = copy.deepcopy(fp32).layers[0].attention.wqkv
+    parts = [quant.quantize_q8_0(wqkv.weight.detach(), "wqkv")]
+    scratch = DequantBuffer(torch.bfloat16)
+    linear = QuantLinear(parts, wqkv.bias, scratch)
+    weight = torch.from_numpy(dequantize(parts[0].blocks, Q.Q8_0))  # (F, E) fp32
+    x = torch.randn(5, weight.shape[1])  # (T, E)
+    with torch.inference_mode():
+        exact = linear(x)
+        with scratch.lowered():
+            lowered = linear(x)
+        after = linear(x)
+    want = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + wqkv.bias
+    assert lowered.dtype == torch.float32 and torch.equal(lowered, want)
+    assert torch.equal(exact, torch.nn.functional.linear(x, weight, wqkv.bias)) and torch.equal(after, exact)
+    assert 0 < relative(lowered, exact) <= 1e-2, relative(lowered, exact)
+
+
+def test_far_products_change_only_chunks_past_the_window():
+    """A model quantized with far_products bfloat16: a prompt inside its 64-token window gives the
+    float32 model's logits bit for bit; a chunk reaching past the window runs lowered (close, not
+    equal); a model with float32 far products has no switch."""
+    from conftest import tiny_pair as hf_pair
+
+    _, fp32 = hf_pair("qwen2", seed=7, max_position_embeddings=64)
+    exact, lowered = copy.deepcopy(fp32), copy.deepcopy(fp32)
+    quantize_to_q8_0(exact, far_products=torch.float32)
+    quantize_to_q8_0(lowered, far_products=torch.bfloat16)
+    assert exact.far_products is None and lowered.far_products is not None
+    window = fp32.args.max_seq_len
+    inside, beyond = torch.arange(3, 3 + window - 8), torch.arange(5, 5 + 24)  # 56 tokens, then 24 across the window
+    outputs = {}
+    for name, model in (("exact", exact), ("lowered", lowered)):
+        cache = KVCache(model.args, window + 32)
+        with torch.inference_mode():
+            outputs[name] = (model(inside, cache, DenseDecode(), all_logits=True),
+                             model(beyond, cache, DenseDecode(), all_logits=True))
+    assert torch.equal(outputs["lowered"][0], outputs["exact"][0])
+    error = relative(outputs["lowered"][1], outputs["exact"][1])
+    assert 0 < error <= 2e-2, error
+
+
+def test_engine_config_validates_far_products():
+    from spotlight.quantized import far_dtype
+
+    assert EngineConfig().far_products == "auto"
+    assert far_dtype("float32") == torch.float32 and far_dtype("bfloat16") == torch.bfloat16
+    assert far_dtype("auto") in (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="far_products must be one of auto, bfloat16, float32; got 'float16'"):
+        EngineConfig(far_products="float16")
