@@ -210,6 +210,12 @@ class Engine:
         return self.spotlight is not None and self.memory_tokens < self.spotlight.max_context
 
     @property
+    def far_products(self) -> str:
+        """What prefill chunks past the native window multiply their weights in: "bfloat16" where
+        EngineConfig.far_products lowered a quantized model's products, else "float32"."""
+        return "float32" if self.model.far_products is None else "bfloat16"
+
+    @property
     def native_window(self) -> int:
         """The model's own context window (what it was trained on), in tokens."""
         return self.args.max_seq_len

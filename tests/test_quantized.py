@@ -639,6 +639,8 @@ def test_far_products_change_only_chunks_past_the_window():
     quantize_to_q8_0(exact, far_products=torch.float32)
     quantize_to_q8_0(lowered, far_products=torch.bfloat16)
     assert exact.far_products is None and lowered.far_products is not None
+    engines = [Engine(EngineConfig(), model.args, model, None, None, DenseDecode(), 0.0) for model in (exact, lowered)]
+    assert [engine.far_products for engine in engines] == ["float32", "bfloat16"]
     window = fp32.args.max_seq_len
     inside, beyond = torch.arange(3, 3 + window - 8), torch.arange(5, 5 + 24)  # 56 tokens, then 24 across the window
     outputs = {}
