@@ -207,6 +207,8 @@ def test_saved_settings_apply_at_start_under_the_command_line():
     assert app.startup_config(app.parse_args([]), {"max_new_tokens": -5}) == plain  # no longer valid: ignored
     assert app.startup_config(app.parse_args([]), {"a_setting_from_a_newer_version": 1}) == plain
     assert app.startup_config(app.parse_args([]), {"max_new_tokens": 700}).sampling.max_new_tokens == 700
+    exact = app.startup_config(app.parse_args(["--far-products", "float32"]), saved).engine
+    assert (plain.engine.far_products, exact.far_products) == ("auto", "float32")
 
 
 # ----------------------------------------------------------------------------- display values
