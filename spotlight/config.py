@@ -331,9 +331,9 @@ class EngineConfig:
     kv_dtype: str = "auto"
     # The weight products of a quantized model's prefill chunks past its native window (FAR_PRODUCTS_HELP):
     # "bfloat16" runs them on bf16 inputs with fp32 sums (torch's oneDNN GEMM), 2.6x fp32's GFLOP/s on
-    # this AVX512-BF16 CPU and ~1.45x the tokens/s of a chunk there (docs/DECISIONS.md, "bf16 past the
-    # window"); past the window attention already reads a retrieved subset, and inside it nothing
-    # changes. "auto": bfloat16 where the CPU multiplies bf16 natively, else "float32" (exact, as before).
+    # this AVX512-BF16 CPU and 1.33-1.44x the tokens/s of a chunk there (docs/DECISIONS.md, "bf16 weight
+    # products past the window"); past the window attention already reads a retrieved subset, and inside
+    # it nothing changes. "auto": bfloat16 where the CPU multiplies bf16 natively, else "float32" (exact).
     far_products: str = "auto"
 
     @property

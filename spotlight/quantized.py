@@ -9,6 +9,8 @@ products run kernels.quant.QuantMatVec on the file's blocks, memory-mapped (read
 as gpt-fast's quantize.py swaps whole modules. A prefill chunk (T > 1) dequantises the blocks
 into one fp32 buffer shared by every QuantLinear (layers run one after another) and calls
 F.linear: its values equal gguf's dequantisation bit for bit, so prefill matches the fp32 model.
+Past the model's native window a chunk may run these products in bf16 instead (DequantBuffer's
+far_dtype, EngineConfig.far_products; the model enters `lowered()` for such chunks).
 
 The names are llama.cpp's (GGUF_PARTS); a fused module of ours (wqkv, w_gate_up) is several GGUF
 tensors, kept as separate QuantMatrix row blocks written into one output in one call. NOTE: the
