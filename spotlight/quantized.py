@@ -81,6 +81,10 @@ class DequantBuffer:
             self.low = torch.empty(max(self.elements, cols), dtype=self.far_dtype)
         return self.low[: rows * cols].view(rows, cols)  # (F, E)
 
+    def far_switch(self):
+        """What Transformer.use_far_products takes: `lowered`, or None where far_dtype is float32."""
+        return None if self.far_dtype == torch.float32 else self.lowered
+
     @contextlib.contextmanager
     def lowered(self):
         """Products in far_dtype while inside (a no-op for float32)."""
@@ -645,7 +649,7 @@ def build_quantized_model(gguf_path: Path, args: ModelArgs, activations: str = "
         weight = model.tok_embeddings.weight if tied else _fp32_tensor(tensors, OUTPUT_TENSOR)
         model.output = fp32_linear(weight, None)
     model.inv_freq = rope_inv_freq(args)
-    model.use_far_products(scratch.lowered if far_products != torch.float32 else None)
+    model.use_far_products(scratch.far_switch())
     left = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"GGUF model built with tensors left unloaded: {left[:5]}"
     return model.eval().requires_grad_(False), QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
@@ -680,7 +684,7 @@ def quantize_to_q8_0(model: nn.Module, activations: str = "fp32",
         setattr(parent, attr, QuantLinear([matrix], old.bias, scratch, dense, activations=activations))
         swapped.append(path)
         nbytes += matrix.nbytes
-    model.use_far_products(scratch.lowered if far_products != torch.float32 else None)
+    model.use_far_products(scratch.far_switch())
     release_freed_memory()
     return QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
 
