@@ -240,6 +240,10 @@ class AttendScratch:
     acc: np.ndarray  # (Hkv * threads, G, D) float32: unnormalised output per piece
     dummy_rows: np.ndarray  # (Hkv, 1) int32: the rows argument of contiguous calls
 
+    def __post_init__(self):
+        # the C kernel's pointers to scaled_q, stats, acc, taken once (`.ctypes.data` costs ~1 us a call)
+        self.addresses = tuple(a.ctypes.data for a in (self.scaled_q, self.stats, self.acc))
+
     def fits(self, heads: int, hkv: int, dim: int) -> bool:
         return self.scaled_q.shape == (hkv, heads // hkv, dim)
 
@@ -333,8 +337,8 @@ def remapped_attend(q, k, v, idx, base: int, moved: int, lo_table, hi_table, blo
     workers, splits = attend_splits(count, buf)
     status = _NATIVE.attend_decode(
         qa.ctypes.data, qa.shape[0], hkv, dim, ka.ctypes.data, va.ctypes.data, ka.strides[0] // ka.itemsize,
-        rows.ctypes.data, count, count, splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data,
-        dest.ctypes.data, workers, int(half), lo.ctypes.data, hi.ctypes.data, block, base, moved)
+        rows.ctypes.data, count, count, splits, *buf.addresses, dest.ctypes.data, workers, int(half), lo.ctypes.data,
+        hi.ctypes.data, block, base, moved)
     assert status == 0, status  # the checks above cover attend.c's
     return dest
 
@@ -399,8 +403,7 @@ def _run(q, k, v, rows, count, dest, scratch, native=True):
         status = _NATIVE.attend_decode(
             q.ctypes.data, q.shape[0], hkv, dim, k.ctypes.data, v.ctypes.data,
             k.strides[0] // k.itemsize, None if contiguous else rows.ctypes.data, 0 if contiguous else rows.shape[1],
-            count, splits, buf.scaled_q.ctypes.data, buf.stats.ctypes.data, buf.acc.ctypes.data, dest.ctypes.data,
-            workers, int(half), None, None, 0, 0, 0)
+            count, splits, *buf.addresses, dest.ctypes.data, workers, int(half), None, None, 0, 0, 0)
         assert status == 0, status  # c_attend_fits checked the geometry
         return dest
     if half:  # the numba kernels read fp32: the rows read, widened once (a copy of count rows per head)

@@ -154,6 +154,8 @@ class MlpCoder:
         self.scratch = [np.empty((rows, dim), f32), np.empty((rows, width), f32), np.empty((rows, bits), f32),
                         np.empty((rows, width), f32), np.empty((rows, width), np.int32)]  # y, z, h, power, scale_bits
         self._batch = None  # `many`'s buffers for B inputs per MLP, (R, B, ...) each
+        # encode.c's pointers to the weights, taken once (views of the encoder's parameters, updated in place)
+        self._addresses = tuple(w.ctypes.data for w in self.weights)
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """x: C-contiguous float32 (R, D) numpy; out: C-contiguous uint64 (R, W) numpy, written and returned."""
@@ -235,8 +237,8 @@ class MlpCoder:
         rows, dim = self.x_shape
         status = _NATIVE.encode_many(
             x.ctypes.data, x_step, None if cos is None else cos.ctypes.data, None if sin is None else sin.ctypes.data,
-            batch, rows, dim, w1.shape[-1], w_out.shape[-1], w1.ctypes.data, b1.ctypes.data, w2.ctypes.data,
-            w_out.ctypes.data, w1.shape[1], self.depth, out.ctypes.data, threads())
+            batch, rows, dim, w1.shape[-1], w_out.shape[-1], *self._addresses, w1.shape[1], self.depth,
+            out.ctypes.data, threads())
         return status == 0
 
     def _many_numpy(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -136,12 +136,15 @@ class Attend:
 
     def __init__(self):
         self._out: torch.Tensor | None = None  # (H, D) fp32, reused by every layer and step
+        self._out_host: np.ndarray | None = None  # the same memory as numpy (remapped)
         self._scratch = None  # kernels.attend scratch for (H, Hkv, D)
 
-    def _buffers(self, q: torch.Tensor, k: torch.Tensor):
+    def _buffers(self, q: torch.Tensor, k):
         """The (H, D) output and kernel scratch for q (H, 1, D) over k (Hkv, Ncap, D), made once."""
-        if self._out is None or self._out.shape != q[:, 0].shape or not self._scratch.fits(q.shape[0], *k.shape[::2]):
-            self._out = torch.empty(q[:, 0].shape)  # (H, D)
+        heads, _, dim = q.shape
+        if self._out is None or self._out.shape != (heads, dim) or not self._scratch.fits(heads, k.shape[0], dim):
+            self._out = torch.empty(heads, dim)  # (H, D)
+            self._out_host = self._out.numpy()
             self._scratch = kernels.make_attend_scratch(self._out, k)
         return self._out, self._scratch
 
@@ -159,10 +162,14 @@ class Attend:
         window (beyond.remapped_decode's result) -> (H, 1, D): on the CPU one kernels/attend.c call
         that rotates the keys as it reads them, else (or where it does not fit) the torch path."""
         if fast_path(q, cache):
-            out, scratch = self._buffers(q, cache.k[layer])
-            lo, hi = rotations.tables(n, "cpu")
-            done = kernels.remapped_attend(q[:, 0], cache.k[layer], cache.v[layer], idx, n, idx.shape[1] - local,
-                                           lo, hi, rotations.block, out, scratch)
+            # NOTE: numpy views throughout (the cache's, the tables', the output's): torch's indexing
+            # and .numpy() cost ~1 us each, ~40 us a layer of a far step's ~190 us of Python
+            # (docs/DECISIONS.md, "Far-step overhead")
+            k, v = cache.host_layer(layer)  # (Hkv, Ncap, D) each
+            out, scratch = self._buffers(q, k)
+            lo, hi = rotations.host_tables(n)
+            done = kernels.remapped_attend(q.detach().numpy()[:, 0], k, v, idx, n, idx.shape[1] - local, lo, hi,
+                                           rotations.block, self._out_host, scratch)
             if done is not None:
                 return out.unsqueeze(1)  # (H, 1, D)
         return remapped_decode(q, cache.k[layer], cache.v[layer], idx, n, rotations, local)  # (H, 1, D)
@@ -350,7 +357,7 @@ class CodeSelector:
         self._query_coders = {}  # layer -> kernels.MlpCoder over views of the query encoder's weights
         self._key_coders = {}  # layer -> the same for the key encoder
         self._far_q_codes = None  # (R, H, W) uint64: a decode step's turned-back query codes
-        self._far_table = None  # (key, (cos, sin)) of _far_turn
+        self._far_table = None  # (key, (cos, sin), their (R, D) numpy copies or None) of _far_turn
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         mlp = self.encoders.key
@@ -416,7 +423,7 @@ class CodeSelector:
         lo, hi = layout.sinks_end, layout.window_start
         blocks = max(1, -(-(hi - lo) // fold))
         bounds = [lo] + [hi - j * fold for j in range(blocks - 1, 0, -1)] + [hi]  # ascending
-        q_codes = self._far_codes(layer, q, self._far_turn(blocks, fold, rotations, q.device))  # (R, H, W)
+        q_codes = self._far_codes(layer, q, *self._far_turn(blocks, fold, rotations, q.device))  # (R, H, W)
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes[0], k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
         kernels.score_select_blocks(q_codes, k_codes, n, bounds, retrieved, sinks, window, out=out,
@@ -424,16 +431,21 @@ class CodeSelector:
         return out  # as _scan: numpy on the CPU, a torch view of the device buffer on a GPU (not a CuPy array)
 
     def _far_turn(self, blocks: int, fold: int, rotations: Rotations, device):
-        """cos, sin (R, 1, 1, D) turning queries back by (R - 1 - r) * fold for block r; made when the
-        blocks or the fold change (every `fold` tokens), not each step."""
+        """((cos, sin) (R, 1, 1, D) turning queries back by (R - 1 - r) * fold for block r, and their (R, D)
+        numpy copies on the CPU, else None); made when the blocks or the fold change (every `fold`
+        tokens), not each step."""
         key = (blocks, fold, id(rotations), str(device))
         if self._far_table is None or self._far_table[0] != key:
             back = torch.arange(blocks - 1, -1, -1, dtype=torch.int64).to(device) * fold  # (R,): block r turned back
-            self._far_table = (key, rotations.cos_sin(back.view(-1, 1, 1), (blocks - 1) * fold))
-        return self._far_table[1]
+            cos, sin = rotations.cos_sin(back.view(-1, 1, 1), (blocks - 1) * fold)  # (R, 1, 1, D) each
+            host = tuple(np.ascontiguousarray(t.reshape(blocks, -1).numpy()) for t in (cos, sin)) \
+                if cos.device.type == "cpu" else None  # (R, D) each: what a decode step's fused coder reads
+            self._far_table = (key, (cos, sin), host)
+        return self._far_table[1:]
 
-    def _far_codes(self, layer, q, turn):
-        """Packed codes (R, H, W) of q (H, T, D) turned back by `turn` (_far_turn's cos, sin): one
+    def _far_codes(self, layer, q, turn, host_turn):
+        """Packed codes (R, H, W) of q (H, T, D) turned back by `turn` (_far_turn's cos, sin; `host_turn` the
+        same as numpy, for the fused coder): one
         query's codes for a decode step, the majority code of up to `_FAR_QUERIES` spread queries for a chunk."""
         H, T, D = q.shape
         mlp = self.encoders.query
@@ -441,9 +453,9 @@ class CodeSelector:
             R = turn[0].shape[0]
             if self._far_q_codes is None or self._far_q_codes.shape != (R, H, self.code_words):
                 self._far_q_codes = np.empty((R, H, self.code_words), np.uint64)  # (R, H, W), reused while R holds
-            cos, sin = (np.ascontiguousarray(t.reshape(R, D).numpy()) for t in turn)  # (R, D): views once made
-            return _coder(mlp, layer, self._query_coders).turned(np.ascontiguousarray(q[:, 0].numpy()), cos, sin,
-                                                                 self._far_q_codes)
+            cos, sin = host_turn  # (R, D) numpy copies of `turn`
+            return _coder(mlp, layer, self._query_coders).turned(np.ascontiguousarray(q.detach().numpy()[:, 0]), cos,
+                                                                 sin, self._far_q_codes)
         if T > 1:
             pick = torch.linspace(0, T - 1, min(T, _FAR_QUERIES)).round().to(torch.int64).to(q.device)  # (S,) the last included
             q = q[:, pick]  # (H, S, D)

@@ -15,6 +15,7 @@ inverse frequency is exact in float64 (20 + 24 bits < 53), reduced modulo 2π by
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -57,6 +58,7 @@ class Rotations:
         self.block = block
         self._lo = torch.cat(rope_angles(self.inv_freq, torch.arange(block)), dim=-1)  # (block, 2D)
         self._hi = torch.cat(rope_angles(self.inv_freq, torch.zeros(1, dtype=torch.int64)), dim=-1)  # (rows, 2D)
+        self._host = None  # (the hi table they view, lo, hi as numpy): host_tables
 
     def tables(self, largest: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, hi) (rows, 2D) cos | sin on `device`, the high table covering deltas up to `largest`."""
@@ -67,6 +69,13 @@ class Rotations:
             self._hi = torch.cat(rope_angles(self.inv_freq, torch.arange(grown) * self.block), dim=-1).to(device)
             self._lo = self._lo.to(device)
         return self._lo, self._hi
+
+    def host_tables(self, largest: int) -> tuple[np.ndarray, np.ndarray]:
+        """`tables(largest, "cpu")` as numpy views (lo, hi), made again only when the high table grows."""
+        lo, hi = self.tables(largest, "cpu")
+        if self._host is None or self._host[0] is not hi:
+            self._host = (hi, lo.numpy(), hi.numpy())
+        return self._host[1], self._host[2]
 
     def cos_sin(self, deltas: torch.Tensor, largest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (..., D) fp32 of integer `deltas` (...,) in [0, largest] (a bound, so no host sync)."""

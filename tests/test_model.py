@@ -1,4 +1,5 @@
 """Our compact model against transformers (the oracle), and cache/prefill invariants. Issue #2."""
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,21 @@ def test_cache_grows_truncates_and_extends():
     torch.testing.assert_close(cache.keys(0), keys_before, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="cannot truncate"):
         cache.truncate(41)
+
+
+def test_host_layer_views_the_cache_buffers_and_follows_them_when_they_grow():
+    _, ours = tiny_pair("llama", seed=4)
+    cache = KVCache(ours.args, 8)
+    with torch.inference_mode():
+        ours(torch.tensor(list(range(6))), cache, DenseDecode())
+    k, v = cache.host_layer(1)  # (Hkv, Ncap, D) numpy views
+    assert (k.shape, np.shares_memory(k, cache.k.numpy()), np.shares_memory(v, cache.v.numpy())) == \
+        (tuple(cache.k[1].shape), True, True)
+    with torch.inference_mode():
+        ours(torch.arange(6, 300) % ours.args.vocab_size, cache, DenseDecode())  # past the capacity: new buffers
+    k, v = cache.host_layer(1)
+    np.testing.assert_array_equal(k[:, :300], cache.keys(1).numpy())
+    np.testing.assert_array_equal(v[:, :300], cache.values(1).numpy())
 
 
 def test_buffer_pool_keeps_fitting_buffers_and_drops_the_smallest_first():

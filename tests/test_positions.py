@@ -2,6 +2,7 @@
 position difference equals RoPE at the new position (issue #21)."""
 import math
 
+import numpy as np
 import torch
 
 from spotlight.config import ModelArgs
@@ -58,6 +59,16 @@ def test_rotations_from_two_tables_equal_float64_angles_up_to_a_million():
     exact_cos, exact_sin = rope_angles(inv_freq, POSITIONS, dtype=torch.float64)
     assert cos.dtype == torch.float32
     torch.testing.assert_close((cos.double(), sin.double()), (exact_cos, exact_sin), rtol=0, atol=1e-6)
+
+
+def test_host_tables_are_the_cpu_tables_as_numpy_and_grow_with_them():
+    rotations = Rotations(rope_inv_freq(ARGS), block=256)
+    lo, hi = rotations.host_tables(1000)
+    assert (lo.dtype, hi.shape[0] * 256 > 1000) == (np.float32, True)
+    torch.testing.assert_close((torch.from_numpy(lo), torch.from_numpy(hi)), rotations.tables(1000, "cpu"), rtol=0, atol=0)
+    lo, hi = rotations.host_tables(100_000)  # the high table grew: new views
+    assert hi.shape[0] * 256 > 100_000
+    torch.testing.assert_close(torch.from_numpy(hi), rotations.tables(100_000, "cpu")[1], rtol=0, atol=0)
 
 
 def test_a_key_rotated_in_fp32_by_the_tables_equals_rope_at_the_new_position_in_float64():
