@@ -1,4 +1,4 @@
-"""bench/longctx.py's needle planting and scoring, on strings (no model)."""
+"""bench/longctx.py's needle planting and scoring, on strings (no model), and its ingest on a tiny random engine."""
 from bench.longctx import NEEDLES, found, needle_rows, needle_targets, plant
 
 
@@ -160,3 +160,17 @@ def test_runs_past_128k_and_other_models_write_sections_of_their_own():
 def test_a_haystack_longer_than_the_essays_reads_them_again_from_the_start():
     from bench.longctx import repeated
     assert (repeated([1, 2, 3], 7), repeated([1, 2, 3], 2)) == ([1, 2, 3, 1, 2, 3, 1], [1, 2])
+
+
+def test_ingest_times_both_lengths_in_turn_on_a_copy_of_the_first_tokens(capsys):
+    from bench.longctx import SPEED_REPEATS, ingest
+    from spotlight.testing import tiny_engine
+
+    engine = tiny_engine(seed=1, spotlight=True, max_seq_len=256, prefill_chunk=64)
+    ids = [(7 * i) % 200 + 3 for i in range(400)]  # past the tiny model's window
+    context, speed = ingest(engine, ids, speed_at=150)
+    rounds = [line for line in capsys.readouterr().err.splitlines() if "decode round" in line]
+    assert (context.tokens, len(rounds), sorted(speed)) == (
+        ids, SPEED_REPEATS,
+        ["decode_long", "decode_short", "prefill_long", "prefill_seconds", "prefill_short", "slices"])
+    assert min(speed["decode_short"], speed["decode_long"], speed["prefill_short"]) > 0
