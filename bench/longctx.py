@@ -47,7 +47,7 @@ SPEED_TOKENS = 32  # decode tokens per speed measurement
 # one 16-token decode at 8K read 27.1 tokens/s where the runs before read 34.7-41.1 (12-06 11:31), and
 # at 12:14 the 128K decode read 16.1 tokens/s (a 62 ms step; 24-25 from a probe minutes later), each a
 # slow spell of the shared VM that swung the 128K / 8K ratio
-SPEED_REPEATS = 3
+SPEED_REPEATS = 5  # rounds; at 12:44 the 128K side rose round by round (18.1, 19.2, 21.6) while 8K did not
 QUESTION_ROOM = 512  # tokens kept free for a question and its reply in the truncated and reference prompts
 SLICE = 8192  # the longest length's prefill is logged and tabulated per this many tokens
 LLAMA_TIMEOUT_S = 3600  # llama-bench's 32K prompt ran past 30 minutes on a 2-core AMD EPYC (session 14)
