@@ -20,7 +20,8 @@ Speed: while the Spotlight context of the longest length is prefilled, the token
 and decode tokens/s (greedy, the essay's continuation) at 8K (a copy of the context's first 8,128
 tokens) and at the full length, measured in turn, each side's best of SPEED_REPEATS. Where
 `make bench-deps` built llama.cpp, its own llama-bench then measures prompt processing on the same
-GGUF at its maximum, the model's window (every core, flash attention), beside the Spotlight context's ingest of the longest length: the issue's 1.5x.
+GGUF at its maximum, the model's window (every core, flash attention), beside the Spotlight
+context's ingest of the longest length: the issue's 1.5x.
 """
 from __future__ import annotations
 
