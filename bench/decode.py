@@ -301,6 +301,7 @@ PATHS = {"ours": "ours quantized, 1 kernel thread", "ours-2t": "ours quantized, 
          "ours-fp32": "ours fp32, 1 kernel thread", "ours-spotlight-2t": "ours quantized, Spotlight, 2 kernel threads",
          "transformers": "transformers", "llama.cpp": "llama.cpp"}
 LLAMA_CPP_TARGETS = {1024: 1.2, 8192: 1.5}  # issue #20: decode ours / llama.cpp at least this
+RSS_TARGET = (8192, 1.2)  # issue #20: peak RSS ours / llama.cpp's at most this, at (up to) this context
 SPOTLIGHT_LLAMA_CPP_TARGETS = {32768: 3.5}  # issue #20: decode ours with Spotlight / llama.cpp at least this
 # issue #20: Qwen2.5-Coder-0.5B-Instruct decodes at least this many tokens/s at 1K (--model)
 MODEL_TPS_TARGETS = {"qwen2.5-coder-0.5b-instruct": (1024, 25.0)}
@@ -381,6 +382,11 @@ def engine_part(sizes: dict, weights: str = "quantized", model: str | None = Non
             if n in sizes["contexts"]:
                 ratio = max(row_of(kind, n)["decode / llama.cpp"] for kind in ours)
                 targets.append(Target(f"decode ours (best of {', '.join(ours)})/llama.cpp at {n}", ratio, goal))
+        n, goal = RSS_TARGET
+        if max(sizes["contexts"]) == n:  # each process's peak over the run is its peak at its longest context
+            lowest = min(ours, key=lambda kind: rss[kind])
+            targets.append(Target(f"peak RSS ours ({PATHS[lowest]})/llama.cpp, contexts up to {n}",
+                                  rss[lowest] / rss["llama.cpp"], goal, higher_is_better=False))
         for n, goal in SPOTLIGHT_LLAMA_CPP_TARGETS.items():
             if spotlight and n in sizes["contexts"]:
                 targets.append(Target(f"decode ours with Spotlight/llama.cpp at {n}",

@@ -147,11 +147,22 @@ def test_buffer_pool_keeps_fitting_buffers_and_drops_the_smallest_first():
     for buffer in (a, b, c):
         pool.give(buffer)
     assert pool.kept_bytes == 900  # 400 + 300 + 500 > 1000: the smallest (300) went
-    assert pool.take(600) is None  # nothing of >= 600 bytes
     assert pool.take(199) is None  # 400 and 500 are more than twice 199
-    assert pool.take(450) is c and pool.take(450) is None  # the smallest fit, taken once
-    assert pool.take(399) is a
-    assert (pool.hits, pool.misses, pool.kept_bytes) == (2, 3, 0)
+    assert pool.take(450) is c  # the smallest fit
+    assert pool.take(399) is a and pool.take(399) is None  # taken once
+    assert (pool.hits, pool.misses, pool.kept_bytes) == (2, 2, 0)
+
+
+def test_a_buffer_pool_miss_lets_go_of_the_buffers_smaller_than_it_asked_for():
+    from spotlight.cache import BufferPool
+
+    pool = BufferPool(max_bytes=1000)
+    small, middle, large = (torch.UntypedStorage(n) for n in (100, 250, 600))
+    for buffer in (small, middle, large):
+        pool.give(buffer)
+    assert pool.take(260) is None  # 600 is more than twice 260: a miss, and 100 and 250 cannot serve it
+    assert (pool.kept_bytes, pool.misses) == (600, 1)
+    assert pool.take(300) is large  # what was at least as large as the miss stays
 
 
 def test_pooled_cache_reuses_a_dropped_caches_memory_and_computes_the_same():
