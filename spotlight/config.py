@@ -309,7 +309,7 @@ class EngineConfig:
     kernel_threads: int = field(default_factory=default_kernel_threads)
     encoder_path: str | None = None  # Spotlight encoder checkpoint; None: the shipped one if it matches
     # Host K/V memory kept mapped in for one cache of this many tokens (spotlight/cache.py BufferPool),
-    # so a resume does not fault in fresh pages; None: the model's window, at most 32768; 0: off.
+    # so a resume does not fault in fresh pages; None: the model's window, at most 16384; 0: off.
     kv_pool_tokens: int | None = None
     # "quantized": a GGUF model's decode reads the file's blocks (spotlight/quantized.py; ~1/6 of the
     # fp32 bytes for SmolLM2); "fp32": every product on the dequantised fp32 copy. Hugging Face

@@ -42,7 +42,7 @@ from .tokens import PieceTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INITIAL_CAPACITY = 1024  # tokens; the cache grows geometrically beyond this
-_POOL_TOKENS_MAX = 32768  # the default buffer pool covers the model's window up to this many tokens
+_POOL_TOKENS_MAX = 16384  # the default buffer pool covers the model's window up to this many tokens (see _pool_tokens)
 _WARM_UP_TOKENS = 2  # tokens decoded by warm_up: the first runs the decode path once
 # Until cached rows live outside RAM (issue #21, Build 3) one conversation's K/V rows must fit in
 # memory: past the window they may take at most this share of the machine's physical RAM.
@@ -359,7 +359,12 @@ def quantizes(config: EngineConfig, source: loading.ModelSource) -> bool:
 
 
 def _pool_tokens(config: EngineConfig, args: ModelArgs) -> int:
-    """Tokens of the cache the buffer pool keeps memory for (0: no pool; host caches only)."""
+    """Tokens of the cache the buffer pool keeps memory for (0: no pool; host caches only).
+
+    At most _POOL_TOKENS_MAX: a kept buffer serves a cache that needs at least half of it
+    (BufferPool.take), so Qwen2.5's whole 32K window prefaulted 384 MiB at warm-up that no
+    conversation under 16K tokens could use; an 8K one allocated 96 MiB more beside it (app path
+    at 8K, ad hoc: peak 1,538-1,551 MiB, 1,228-1,235 with 16K; docs/DECISIONS.md)."""
     if config.device != "cpu":
         return 0
     return min(args.max_seq_len, _POOL_TOKENS_MAX) if config.kv_pool_tokens is None else config.kv_pool_tokens

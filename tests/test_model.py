@@ -205,7 +205,7 @@ def test_buffer_pool_size_follows_the_config():
 
     _, ours = tiny_pair("llama", seed=0)
     window = ours.args.max_seq_len
-    assert _pool_tokens(EngineConfig(), ours.args) == min(window, 32768)
+    assert _pool_tokens(EngineConfig(), ours.args) == min(window, 16384)
     assert _pool_tokens(EngineConfig(kv_pool_tokens=0), ours.args) == 0
     assert _pool_tokens(EngineConfig(kv_pool_tokens=300), ours.args) == 300
     assert _pool_tokens(EngineConfig(device="cuda"), ours.args) == 0  # host caches only
