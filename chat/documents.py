@@ -24,8 +24,6 @@ The upload path enters each module once, top to bottom:
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import os
 import time
@@ -33,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from segmenter import DEFAULT_MAX_TOKENS, Document, DocumentError, read_document, segment
+from spotlight import release_freed_memory
 
 from .errors import ChatError
 from .records import DocumentInfo, ResumeReport, SessionId
@@ -122,25 +121,12 @@ def ingest(service, session_id: SessionId, paths: Sequence[str], progress: Progr
 
 
 def give_back_memory() -> None:
-    """Free unreachable objects and hand the C heap's free pages back to the system (glibc's
-    `malloc_trim`; elsewhere a no-op). After a large file was read and dropped, glibc keeps
+    """Free unreachable objects and hand the C heap's free pages back to the system
+    (spotlight.release_freed_memory). After a large file was read and dropped, glibc keeps
     freed buffers of that size in the process (its mmap threshold rises to the largest
     freed buffer), so the resident size would stay tens of MB above what is used."""
     gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _glibc()
+    release_freed_memory()
 
 
 class PrefillProgress:

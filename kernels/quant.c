@@ -1039,3 +1039,117 @@ int quant_decode_step(const quant_block *blocks, int n_blocks, const float *x, i
     return 0;
 }
 #endif
+
+/* ============================================================ dequantisation (prefill weights)
+
+   Rows of W written out as fp32, each weight exactly as gguf.quants.dequantize rounds it (the
+   formulas at the top of this file, with Q4_0 w = d * (q - 8), Q5_1 w = d * q + m and Q5_K as Q4_K
+   with a fifth bit); what a prefill chunk's GEMM multiplies. Plain loops the compiler vectorises;
+   -ffp-contract=off keeps every multiply and add rounded on its own. */
+
+static void deq_legacy(int kind, const uint8_t *rb, int64_t nb, float *out) {
+    for (int64_t b = 0; b < nb; b++, out += QK) {
+        if (kind == KIND_Q8_0) {
+            const uint8_t *blk = rb + b * 34;
+            float d = half_to_float(blk);
+            for (int l = 0; l < QK; l++) out[l] = (float)(int8_t)blk[2 + l] * d;
+            continue;
+        }
+        int has_min = kind == KIND_Q4_1 || kind == KIND_Q5_1, has_high = kind == KIND_Q5_0 || kind == KIND_Q5_1;
+        int64_t size = 2 + (has_min ? 2 : 0) + (has_high ? 4 : 0) + QK / 2;
+        const uint8_t *blk = rb + b * size;
+        float d = half_to_float(blk), m = has_min ? half_to_float(blk + 2) : 0.0f;
+        uint32_t qh = 0;
+        if (has_high) memcpy(&qh, blk + (has_min ? 4 : 2), 4);  /* little-endian, as this CPU class */
+        const uint8_t *qs = blk + size - QK / 2;
+        int offset = kind == KIND_Q4_0 ? 8 : (kind == KIND_Q5_0 ? 16 : 0);
+        for (int l = 0; l < QK / 2; l++) {
+            int lo = (qs[l] & 15) | (int)(((qh >> l) & 1) << 4);
+            int hi = (qs[l] >> 4) | (int)(((qh >> (l + QK / 2)) & 1) << 4);
+            if (has_min) {
+                out[l] = d * (float)lo + m;
+                out[l + QK / 2] = d * (float)hi + m;
+            } else {
+                out[l] = d * (float)(lo - offset);
+                out[l + QK / 2] = d * (float)(hi - offset);
+            }
+        }
+    }
+}
+
+static void deq_q45_k(const uint8_t *rb, int64_t nb, float *out, int has_high) {
+    int64_t size = 4 + 12 + (has_high ? QK_K / 8 : 0) + QK_K / 2;
+    for (int64_t b = 0; b < nb; b++, out += QK_K) {
+        const uint8_t *blk = rb + b * size, *high = blk + 16, *qs = blk + 16 + (has_high ? QK_K / 8 : 0);
+        float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+        for (int pair = 0; pair < 4; pair++) {
+            int j = 2 * pair, sc0, mn0, sc1, mn1;
+            scale_min_k4(blk + 4, j, &sc0, &mn0);
+            scale_min_k4(blk + 4, j + 1, &sc1, &mn1);
+            float d0 = d * (float)sc0, m0 = dmin * (float)mn0, d1 = d * (float)sc1, m1 = dmin * (float)mn1;
+            float *o = out + j * 32;
+            for (int l = 0; l < 32; l++) {
+                int v = qs[pair * 32 + l], lo = v & 15, hi = v >> 4;
+                if (has_high) {
+                    lo |= ((high[l] >> j) & 1) << 4;
+                    hi |= ((high[l] >> (j + 1)) & 1) << 4;
+                }
+                o[l] = d0 * (float)lo - m0;
+                o[l + 32] = d1 * (float)hi - m1;
+            }
+        }
+    }
+}
+
+static void deq_q6_k(const uint8_t *rb, int64_t nb, float *out) {
+    for (int64_t b = 0; b < nb; b++, out += QK_K) {
+        const uint8_t *blk = rb + b * 210, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d = half_to_float(blk + 208);
+        for (int sub = 0; sub < 16; sub++) {
+            int half = sub / 8, quarter = (sub / 2) % 4, g = sub % 2;
+            float ds = d * (float)sc[sub];
+            const uint8_t *lo = ql + half * 64 + (quarter % 2) * 32 + g * 16, *hi = qh + half * 32 + g * 16;
+            int lo_shift = (quarter / 2) * 4, hi_shift = quarter * 2;
+            for (int l = 0; l < 16; l++) {
+                int q = ((lo[l] >> lo_shift) & 15) | (((hi[l] >> hi_shift) & 3) << 4);
+                out[sub * 16 + l] = ds * (float)(q - 32);
+            }
+        }
+    }
+}
+
+static void deq_rows(int kind, const uint8_t *blocks, int64_t row_bytes, int64_t blocks_per_row, int64_t cols,
+                     int64_t row_start, int64_t row_end, float *out) {
+    for (int64_t r = row_start; r < row_end; r++) {
+        const uint8_t *rb = blocks + r * row_bytes;
+        float *o = out + (r - row_start) * cols;
+        if (kind <= KIND_Q8_0) deq_legacy(kind, rb, blocks_per_row, o);
+        else if (kind == KIND_Q6_K) deq_q6_k(rb, blocks_per_row, o);
+        else deq_q45_k(rb, blocks_per_row, o, kind == KIND_Q5_K);
+    }
+}
+
+/* Rows [row_start, row_end) of `blocks` as fp32 into out ((row_end - row_start) x cols, C order),
+   the rows cut over `threads` OpenMP threads (each weight's value does not depend on the split).
+   Returns 0, or -1 for a kind this file does not know. */
+int quant_dequantize(int kind, const uint8_t *blocks, int64_t row_bytes, int64_t blocks_per_row,
+                     int64_t row_start, int64_t row_end, float *out, int threads) {
+    if (kind < KIND_Q4_0 || kind > KIND_Q6_K) return -1;
+    int64_t cols = blocks_per_row * (kind <= KIND_Q8_0 ? QK : QK_K), rows = row_end - row_start;
+#ifdef _OPENMP
+    if (threads > 1 && rows > 1) {
+        if (threads > rows) threads = (int)rows;
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), n = omp_get_num_threads();
+            int64_t a = row_start + rows * t / n, e = row_start + rows * (t + 1) / n;
+            deq_rows(kind, blocks, row_bytes, blocks_per_row, cols, a, e, out + (a - row_start) * cols);
+        }
+        return 0;
+    }
+#endif
+    (void)threads;
+    deq_rows(kind, blocks, row_bytes, blocks_per_row, cols, row_start, row_end, out);
+    return 0;
+}

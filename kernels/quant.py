@@ -190,11 +190,14 @@ def matvec(qm: QuantMatrix, x, out, bias=None) -> np.ndarray:
     return dest
 
 
-def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | None = None) -> np.ndarray:
+def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | None = None, *,
+                    numba: bool = False) -> np.ndarray:
     """Rows [row_start, row_end) of W as fp32 into out (row_end - row_start, E); returns out.
 
     The values equal gguf.quants.dequantize's bit for bit. out: a C-contiguous float32 numpy array
-    or CPU tensor of exactly that shape (e.g. a view of a reused buffer).
+    or CPU tensor of exactly that shape (e.g. a view of a reused buffer). Runs quant.c's
+    quant_dequantize where the library has it (every format; no JIT compiler in memory), else the
+    numba kernels; `numba=True` forces those (tests compare both).
     """
     row_end = qm.rows if row_end is None else row_end
     if not 0 <= row_start <= row_end <= qm.rows:
@@ -206,6 +209,10 @@ def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | Non
     if row_end == row_start:
         return dest
     fmt = qm.format
+    if C_DEQUANTIZE and not numba:  # quant.c: no JIT (numba's compiler is never loaded for it)
+        _LIB.quant_dequantize(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, row_start,
+                              row_end, dest.ctypes.data, threads() if C_THREADS else 1)
+        return dest
     if not HAVE_NUMBA:  # pragma: no cover - numpy fallback
         import gguf
 
@@ -292,6 +299,10 @@ def _load_library(path: Path = LIBRARY):
         lib.quant_decode_step.argtypes = [ctypes.POINTER(QuantBlock), c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr,
                                           ptr, ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, ptr, c_int]
         lib.quant_decode_step.restype = c_int
+    if hasattr(lib, "quant_dequantize"):  # a library built before it dequantises with numba
+        lib.quant_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        lib.quant_dequantize.restype = ctypes.c_int
     return lib, ""
 
 
@@ -320,6 +331,7 @@ _LIB, C_MISSING = _load_library()  # C_MISSING: why the C kernels are unavailabl
 C_SIMD = bool(_LIB is not None and _LIB.quant_simd())  # the library was built with AVX2 + FMA + F16C
 # the library splits rows over kernels.set_threads(n) OpenMP threads (built with -fopenmp)
 C_THREADS = bool(_LIB is not None and hasattr(_LIB, "quant_openmp") and _LIB.quant_openmp())
+C_DEQUANTIZE = bool(_LIB is not None and hasattr(_LIB, "quant_dequantize"))  # the library dequantises blocks
 
 
 # The activations of a one-row product (QuantMatVec(activations=...), EngineConfig.activations):

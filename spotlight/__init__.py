@@ -3,6 +3,7 @@
 The front door for code outside this package:
 
     from spotlight import Engine, Context, KVRows, Fingerprints, ReadMeter, AttentionTally, Step, Stats
+    from spotlight import release_freed_memory  # the C heap's free pages back to the system
     from spotlight import installed_models, InstalledModel, packaged_model_names, DEFAULT_MODEL  # models
     from spotlight import EncoderTraining, TrainingProgress, trained_encoders, encoder_dirs
 
@@ -17,6 +18,7 @@ _EXPORTS = {
     "Engine": "engine", "Fingerprints": "engine",
     "Context": "generate", "Step": "generate", "Stats": "generate",
     "KVRows": "cache",
+    "release_freed_memory": "heap",  # the C heap's free pages back to the system (standard library only)
     "ReadMeter": "observers", "AttentionTally": "observers", "StepObserver": "observers",
     "installed_models": "catalog", "InstalledModel": "catalog", "packaged_model_names": "catalog",
     "DEFAULT_MODEL": "catalog",

@@ -29,7 +29,7 @@ import kernels
 from . import loading
 from .attention import CodeSelector, DecodePolicy, DenseDecode, SpotlightDecode
 from .beyond import fitted_config
-from .cache import BufferPool, KVCache, kv_buffer_bytes
+from .cache import BufferPool, KVCache, kv_buffer_bytes, release_freed_memory
 from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
 from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
 from .hashing import EncoderSpec, Encoders, checkpoint_matches, load_encoders
@@ -110,6 +110,7 @@ class Engine:
         for warning in warnings:
             log.warning(warning)
         buffers = BufferPool(2 * kv_buffer_bytes(args, kv_dtype(config, model), _pool_tokens(config, args)))
+        release_freed_memory()  # what reading the files left in the heap (the tokenizer's parse: ~50 MiB)
         return cls(config, args, model, tokenizer, source, policy, time.perf_counter() - started, tuple(warnings),
                    buffers, encoder_dirs(home))
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .cache import KVCache, KVRows
+from .cache import KVCache, KVRows, release_freed_memory
 from .config import SamplingConfig
 from .errors import ContextTooLong
 from .observers import StepObserver
@@ -131,6 +131,8 @@ def prefill(
         done += len(piece)
         if progress is not None:
             progress(done, len(ids))
+    if len(ids) > 1:  # the chunks' freed activations go back to the system before decode
+        release_freed_memory()
     return logits
 
 

@@ -220,6 +220,12 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return out.reshape(H, 1, D)  # a view on the CPU; CUDA's SDPA may return other strides
 
 
+# The most tokens one MLP call multiplies at once (inference): a longer prefill chunk runs its
+# MLP in slices of this many, bounding the (T, 2F) intermediate (peak memory) at little cost
+# (a quantized model dequantises the MLP's weights once per slice).
+FFN_ROWS = 256
+
+
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -228,12 +234,22 @@ class FeedForward(nn.Module):
         self.w_down = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        if torch.is_grad_enabled() or T <= FFN_ROWS:
+            return self._rows(x)
+        # NOTE: a long prefill chunk in slices of FFN_ROWS tokens (each token's MLP is its own):
+        # the (T, 2F) intermediate of a 1,024-token Qwen2.5 chunk is 40 MB, a slice's 10 MB
+        out = torch.empty(*x.shape[:-1], self.w_down.out_features, dtype=x.dtype, device=x.device)  # (T, E)
+        for start in range(0, T, FFN_ROWS):
+            out[start:start + FFN_ROWS] = self._rows(x[start:start + FFN_ROWS])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.width, dim=-1)  # (T, F) x2
         if torch.is_grad_enabled():
             return self.w_down(F.silu(gate) * up)  # (T, E)
         # NOTE: in place in the projection's own output where no gradient needs it: the same
-        # values without two more (T, F) buffers (40 MB of peak memory in a 1,024-token Qwen2.5
-        # prefill chunk)
+        # values without two more (T, F) buffers
         return self.w_down(F.silu(gate, inplace=True).mul_(up))  # (T, E)
 
 

@@ -21,7 +21,6 @@ moving whole rows (the blocks run along the columns, so a row permutation keeps 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import struct
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from kernels import quant
 from kernels.attend_cpu import C_ATTEND_F16, attend_splits, c_attend_fits, new_attend_scratch
 from kernels.quant import CorruptTensor, QuantMatrix, QuantMatVec, UnsupportedQuantType
 
+from .cache import release_freed_memory
 from .config import ModelArgs
 from .model import RMSNorm
 
@@ -52,24 +52,39 @@ OUTPUT_TENSOR, EMBEDDING_TENSOR = "output.weight", "token_embd.weight"  # a tied
 PERMUTED_ARCHITECTURES = ("llama",)  # general.architecture values whose attn_q / attn_k are permuted
 
 
+# The most fp32 weights the shared DequantBuffer holds (8 MiB): a larger matrix's prefill product
+# runs in row runs of at most this many (Qwen2.5-0.5B's gate/up, 8.7M weights, in 5 runs; its
+# down projection in 3), instead of a 35 MB buffer kept for the largest one.
+RUN_ELEMENTS = 1 << 21
+
+
 class DequantBuffer:
-    """One fp32 buffer that a prefill chunk's QuantLinear dequantises its weight into, sized for
-    the largest matrix that needs it and allocated at the first prefill (decode never does).
+    """One fp32 buffer that a prefill chunk's QuantLinear dequantises its weight into, run by run
+    (`runs`), sized for the largest registered matrix up to `run_elements` and allocated at the
+    first prefill (decode never does).
 
     `far_dtype` bfloat16 (EngineConfig.far_products): within `lowered()` (the model's forward of a
     chunk past its native window, Transformer.use_far_products) each such product runs on bf16
     copies of the weight (a second reused buffer) and of the input, torch's bf16 GEMM summing in
     fp32, the bias added in fp32 after."""
 
-    def __init__(self, far_dtype: torch.dtype = torch.float32):
-        self.elements = 0  # F * E of the largest registered matrix
+    def __init__(self, far_dtype: torch.dtype = torch.float32, run_elements: int = RUN_ELEMENTS):
+        self.elements = 0  # weights the buffer holds: min(F * E of the largest registered matrix, the bound)
+        self.run_elements = run_elements
         self.buffer: torch.Tensor | None = None
         self.far_dtype = far_dtype
         self.low: torch.Tensor | None = None  # the bf16 weight buffer, made at the first lowered product
         self.lowering = False  # inside lowered()
 
     def register(self, rows: int, cols: int) -> None:
-        self.elements = max(self.elements, rows * cols)
+        """Make room for a (rows, cols) matrix, or for its row runs where it exceeds run_elements."""
+        self.elements = max(self.elements, min(rows * cols, max(self.run_elements, cols)))
+
+    def runs(self, rows: int, cols: int) -> list[tuple[int, int]]:
+        """[start, end) runs covering the rows of a (rows, cols) matrix, each fitting the buffer,
+        as few and as even as possible (one run where the whole matrix fits)."""
+        n = -(-rows // max(1, self.elements // cols))
+        return [(rows * i // n, rows * (i + 1) // n) for i in range(n)]
 
     def view(self, rows: int, cols: int) -> torch.Tensor:
         if self.buffer is None:
@@ -109,7 +124,8 @@ class QuantLinear(nn.Module):
 
     One-row fp32 CPU calls (a decode step, the last prefill position) run the quantized kernel of
     each part into its rows of one output. Other calls use `dense` (an fp32 weight the model keeps
-    anyway, e.g. the tied embedding) or the parts dequantised into the shared DequantBuffer."""
+    anyway, e.g. the tied embedding) or the parts dequantised into the shared DequantBuffer, in
+    the row runs it fits (DequantBuffer.runs)."""
 
     def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None, scratch: DequantBuffer,
                  dense: torch.Tensor | None = None, chunked: bool = False, activations: str = "fp32"):
@@ -121,14 +137,16 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
         bias_np = None if bias is None else self.bias.numpy()
         offsets = np.cumsum([0] + [p.rows for p in parts])
+        self._offsets = [int(o) for o in offsets[:-1]]  # the first row of each part in W
         # each part's product writes rows [start, end) of the output; bias sliced the same way
         self._calls = [(QuantMatVec(p, None if bias_np is None else bias_np[s:e], activations=activations),
                         int(s), int(e)) for p, s, e in zip(parts, offsets[:-1], offsets[1:])]
         self._c_only = all(bound.backend == "c" for bound, _, _ in self._calls)
         self.dense = dense
         self.scratch = scratch
-        # chunked: a many-row call runs in row runs that fit the buffer others sized (the output
-        # projection, 113 MB of fp32 for SmolLM2, is needed for T > 1 only by all_logits calls)
+        # chunked: a many-row call runs in row runs that fit the buffer others sized, without
+        # registering its own size (the output projection, 113 MB of fp32 for SmolLM2, is needed
+        # for T > 1 only by all_logits calls)
         self.chunked = chunked and dense is None
         assert not self.chunked or len(parts) == 1, "a chunked QuantLinear has one part"
         if dense is None and not self.chunked:
@@ -147,31 +165,44 @@ class QuantLinear(nn.Module):
         if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" \
                 and not torch.is_grad_enabled():
             return self._one_row(x.contiguous())
-        if self.chunked:
-            return self._in_row_runs(x)
-        if self.scratch.lowering:
-            return self._lowered(x)
-        return F.linear(x, self._dense_weight(), self.bias)
-
-    def _lowered(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, E) @ W.T + bias with x and W rounded to the scratch's far_dtype, summed in fp32 -> (T, F) fp32."""
-        weight = self.scratch.low_view(self.out_features, self.in_features)  # (F, E)
-        weight.copy_(self._dense_weight())
-        out = F.linear(x.to(weight.dtype), weight).float()  # (T, F)
-        return out if self.bias is None else out.add_(self.bias)
+        if self.dense is not None and not self.scratch.lowering:
+            return F.linear(x, self.dense, self.bias)
+        return self._in_row_runs(x)
 
     def _in_row_runs(self, x: torch.Tensor) -> torch.Tensor:
-        """F.linear over runs of rows of the (single) part, each dequantised into the buffer."""
-        part, cols = self.parts[0], self.in_features
+        """x (T, E) @ W.T + bias over the scratch's row runs of W (one run, written straight to the
+        result, where W fits the buffer). Inside `lowered()`, x and each run of W are rounded to
+        the scratch's far_dtype, torch's GEMM sums in fp32, and the bias is added in fp32 after."""
+        runs = self.scratch.runs(self.out_features, self.in_features)
+        xs = x.to(self.scratch.far_dtype) if self.scratch.lowering else x
+        if len(runs) == 1:
+            return self._run_product(xs, 0, self.out_features)
         out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype)  # (T, F)
-        step = max(1, self.scratch.elements // cols)
-        for start in range(0, self.out_features, step):
-            end = min(self.out_features, start + step)
-            weight = self.scratch.view(end - start, cols)  # (F', E)
-            quant.dequantize_into(part, weight, start, end)
-            bias = None if self.bias is None else self.bias[start:end]
-            out[..., start:end] = F.linear(x, weight, bias)
+        for start, end in runs:
+            out[..., start:end] = self._run_product(xs, start, end)
         return out
+
+    def _run_product(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """x (T, E) @ W[start:end].T + bias[start:end] -> (T, end - start) fp32; x already in far_dtype when lowering."""
+        weight, bias = self._weight_rows(start, end), None if self.bias is None else self.bias[start:end]
+        if not self.scratch.lowering:
+            return F.linear(x, weight, bias)
+        low = self.scratch.low_view(end - start, self.in_features)  # (F', E)
+        low.copy_(weight)
+        out = F.linear(x, low).float()  # (T, F')
+        return out if bias is None else out.add_(bias)
+
+    def _weight_rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of W (F, E) in fp32: a view of `dense`, or dequantised from the parts
+        they fall in into the shared buffer (valid until its next use)."""
+        if self.dense is not None:
+            return self.dense[start:end]
+        weight = self.scratch.view(end - start, self.in_features)  # (F', E)
+        for part, offset in zip(self.parts, self._offsets):
+            first, last = max(start, offset), min(end, offset + part.rows)
+            if first < last:
+                quant.dequantize_into(part, weight[first - start:last - start], first - offset, last - offset)
+        return weight
 
     def _one_row(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.out_features)  # (1, F)
@@ -184,16 +215,6 @@ class QuantLinear(nn.Module):
         for bound, start, end in self._calls:
             bound(xs, dest[start:end])
         return out
-
-    def _dense_weight(self) -> torch.Tensor:
-        if self.dense is not None:
-            return self.dense
-        weight = self.scratch.view(self.out_features, self.in_features)  # (F, E)
-        start = 0
-        for part in self.parts:
-            quant.dequantize_into(part, weight[start:start + part.rows])
-            start += part.rows
-        return weight
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtypes={self.qtypes}"
@@ -687,13 +708,3 @@ def quantize_to_q8_0(model: nn.Module, activations: str = "fp32",
     model.use_far_products(scratch.far_switch())
     release_freed_memory()
     return QuantizedSwap(tuple(swapped), tuple(kept), nbytes)
-
-
-def release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc's malloc_trim). NOTE: the replaced fp32 weights
-    (1-7 MB each) sit in malloc's heap after they are freed; without this a quantized SmolLM2
-    engine kept ~190 MiB more resident (873 -> 684 MiB measured; fp32 engine 979 MiB)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass

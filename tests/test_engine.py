@@ -344,6 +344,7 @@ def test_front_door_exports():
     assert spotlight.__all__ == sorted(["AttentionTally", "Context", "Engine", "Fingerprints", "KVRows", "ReadMeter",
                                         "Stats", "Step", "StepObserver",
                                         "DEFAULT_MODEL", "InstalledModel", "installed_models", "packaged_model_names",
-                                        "EncoderTraining", "TrainingProgress", "encoder_dirs", "trained_encoders"])
+                                        "EncoderTraining", "TrainingProgress", "encoder_dirs", "trained_encoders",
+                                        "release_freed_memory"])
     with pytest.raises(AttributeError, match="no attribute 'Policy'"):
         spotlight.Policy

@@ -1,4 +1,7 @@
 """Our compact model against transformers (the oracle), and cache/prefill invariants. Issue #2."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -264,3 +267,41 @@ def test_one_row_linear_sees_weights_changed_in_place_and_replaced():
     layer.weight = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)  # new memory: views remade
     layer.bias = torch.nn.Parameter(torch.randn(8), requires_grad=False)
     check()
+
+
+def test_a_long_chunk_runs_its_mlp_in_slices_with_the_same_values():
+    """FeedForward over more than FFN_ROWS tokens (inference): slices of FFN_ROWS rows, each row's
+    values those of the whole product (to fp32 rounding of a GEMM blocked by its row count)."""
+    from spotlight.model import FFN_ROWS, FeedForward
+    from spotlight.testing import tiny_args
+
+    torch.manual_seed(3)
+    mlp = FeedForward(tiny_args()).eval()
+    x = torch.randn(2 * FFN_ROWS + 5, tiny_args().dim)  # (T, E): two whole slices and a short one
+    gate, up = mlp.w_gate_up(x).split(mlp.width, dim=-1)  # (T, F) x2
+    want = mlp.w_down(torch.nn.functional.silu(gate) * up).detach()  # (T, E) in one product
+    with torch.inference_mode():
+        got = mlp(x)
+        first = mlp(x[:FFN_ROWS])  # one slice: the unsliced path
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first, want[:FFN_ROWS], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RssAnon and malloc_trim: Linux with glibc")
+def test_release_freed_memory_gives_freed_heap_pages_back():
+    """Small freed buffers below a live one stay resident until release_freed_memory trims the heap."""
+    from spotlight.cache import release_freed_memory
+
+    def anon_mib() -> float:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssAnon:"))
+        return int(line.split()[1]) / 1024
+
+    release_freed_memory()
+    buffers = [np.ones(100_000 // 8) for _ in range(400)]  # 40 MB in 100 KB buffers (malloc's heap)
+    pin = np.ones(100_000 // 8)  # a live buffer above them, so freeing them cannot shrink the heap's top
+    del buffers
+    before = anon_mib()
+    assert release_freed_memory() is True
+    assert before - anon_mib() >= 20, (before, anon_mib())
+    assert pin.sum() == 100_000 // 8

@@ -91,6 +91,17 @@ def test_matvec_and_dequantize_match_gguf(qtype, rows, blocks_per_row):
     np.testing.assert_array_equal(dense.view(np.uint32), weights.view(np.uint32))
 
 
+@pytest.mark.parametrize("backend", ("c", "numba"))
+@pytest.mark.parametrize("blocks_per_row", BLOCKS_PER_ROW)
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_each_dequantize_backend_equals_gguf_bit_for_bit(qtype, blocks_per_row, backend):
+    if backend == "c" and not quant.C_DEQUANTIZE:
+        pytest.skip(f"kernels/quant.c is not built ({quant.C_MISSING or 'a library without quant_dequantize'})")
+    qm = random_matrix(qtype, 13, blocks_per_row, seed=blocks_per_row)
+    dense = dequantize_into(qm, np.empty((qm.rows, qm.cols), np.float32), numba=backend == "numba")
+    np.testing.assert_array_equal(dense.view(np.uint32), reference_weights(qm).view(np.uint32))
+
+
 @pytest.mark.parametrize("qtype", SUPPORTED)
 def test_matvec_bias(qtype):
     qm = random_matrix(qtype, 13, 2)

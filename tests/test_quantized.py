@@ -628,6 +628,42 @@ def test_a_lowered_product_runs_on_bf16_copies_and_adds_the_bias_in_fp32():
     assert 0 < relative(lowered, exact) <= 1e-2, relative(lowered, exact)
 
 
+def test_dequant_buffer_runs_are_as_few_and_even_as_fit():
+    from spotlight.quantized import DequantBuffer
+
+    scratch = DequantBuffer(run_elements=100)
+    scratch.register(7, 10)  # 70 weights: fits whole
+    assert (scratch.elements, scratch.runs(7, 10)) == (70, [(0, 7)])
+    scratch.register(25, 10)  # 250 weights: the buffer stops at 100, 10 rows a run
+    assert scratch.elements == 100
+    assert scratch.runs(25, 10) == [(0, 8), (8, 16), (16, 25)]
+    assert scratch.runs(3, 200) == [(0, 1), (1, 2), (2, 3)]  # a row longer than the buffer: one row a run
+
+
+@pytest.mark.parametrize("far", (torch.float32, torch.bfloat16))
+def test_a_product_in_row_runs_equals_the_whole_product(far):
+    """Two parts (as gate and up) with a bias, through a buffer of 6 rows: the runs cross the
+    parts' boundary and give the whole product's values (to fp32 rounding: torch's GEMM blocks a
+    5-column product differently from a 20-column one)."""
+    from spotlight.quantized import DequantBuffer
+
+    rng = np.random.default_rng(4)
+    parts = [quant.quantize_q8_0(torch.from_numpy(rng.standard_normal((rows, 64)).astype(np.float32)), name)
+             for rows, name in ((11, "gate"), (9, "up"))]
+    weight = torch.from_numpy(np.concatenate([dequantize(p.blocks, gguf.GGMLQuantizationType.Q8_0) for p in parts]))
+    bias, x = torch.randn(20), torch.randn(5, 64)  # (F,), (T, E)
+    whole, small = DequantBuffer(far), DequantBuffer(far, run_elements=6 * 64)
+    one, runs = QuantLinear(parts, bias, whole), QuantLinear(parts, bias, small)
+    assert (whole.runs(20, 64), small.runs(20, 64)) == ([(0, 20)], [(0, 5), (5, 10), (10, 15), (15, 20)])
+    with torch.inference_mode(), whole.lowered(), small.lowered():
+        want, got = one(x), runs(x)
+    assert got.shape == (5, 20) and small.buffer.numel() == 6 * 64
+    reference = torch.nn.functional.linear(x, weight, bias) if far == torch.float32 else \
+        torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+    assert relative(got, want) <= 1e-6 and relative(got, reference) <= 1e-6, (relative(got, want),
+                                                                              relative(got, reference))
+
+
 def test_far_products_change_only_chunks_past_the_window():
     """A model quantized with far_products bfloat16: a prompt inside its 64-token window gives the
     float32 model's logits bit for bit; a chunk reaching past the window runs lowered (close, not
