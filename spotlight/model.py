@@ -220,9 +220,9 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return out.reshape(H, 1, D)  # a view on the CPU; CUDA's SDPA may return other strides
 
 
-# The most tokens one MLP call multiplies at once (inference): a longer prefill chunk runs its
-# MLP in slices of this many, bounding the (T, 2F) intermediate (peak memory) at little cost
-# (a quantized model dequantises the MLP's weights once per slice).
+# The most tokens one MLP call multiplies at once (inference on the CPU): a longer prefill chunk
+# runs its MLP in slices of this many, bounding the (T, 2F) intermediate (peak memory) at little
+# cost (a quantized model dequantises the MLP's weights once per slice, ~3 % of a Qwen2.5 chunk).
 FFN_ROWS = 256
 
 
@@ -235,10 +235,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        if torch.is_grad_enabled() or T <= FFN_ROWS:
+        if torch.is_grad_enabled() or T <= FFN_ROWS or x.device.type != "cpu":
             return self._rows(x)
-        # NOTE: a long prefill chunk in slices of FFN_ROWS tokens (each token's MLP is its own):
-        # the (T, 2F) intermediate of a 1,024-token Qwen2.5 chunk is 40 MB, a slice's 10 MB
+        # NOTE: a long CPU prefill chunk in slices of FFN_ROWS tokens (each token's MLP is its own):
+        # the (T, 2F) intermediate of a 1,024-token Qwen2.5 chunk is 40 MB of the process's peak, a
+        # slice's 10 MB (a GPU keeps whole chunks: its memory is not the process's RSS)
         out = torch.empty(*x.shape[:-1], self.w_down.out_features, dtype=x.dtype, device=x.device)  # (T, E)
         for start in range(0, T, FFN_ROWS):
             out[start:start + FFN_ROWS] = self._rows(x[start:start + FFN_ROWS])
