@@ -210,8 +210,9 @@ def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | Non
         return dest
     fmt = qm.format
     if C_DEQUANTIZE and not numba:  # quant.c: no JIT (numba's compiler is never loaded for it)
-        _LIB.quant_dequantize(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, row_start,
-                              row_end, dest.ctypes.data, threads() if C_THREADS else 1)
+        if _LIB.quant_dequantize(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, row_start,
+                                 row_end, dest.ctypes.data, threads() if C_THREADS else 1):
+            raise ValueError(f"{LIBRARY} has no {qm.qtype} dequantisation; rebuild it with `make setup`")
         return dest
     if not HAVE_NUMBA:  # pragma: no cover - numpy fallback
         import gguf

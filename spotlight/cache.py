@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from .config import ModelArgs
-from .heap import release_freed_memory  # noqa: F401 (re-exported: quantized, generate, engine)
 from .twolevel import SpanTable
 
 _GROW_ROUND = 256  # capacity grows in multiples of this many tokens
@@ -309,4 +308,3 @@ class KVCache:
         per_token = 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * self.k.element_size()
         per_token += self.args.n_layers * self.args.n_kv_heads * self.code_words * 8
         return per_token * self.length
-

@@ -29,10 +29,11 @@ import kernels
 from . import loading
 from .attention import CodeSelector, DecodePolicy, DenseDecode, SpotlightDecode
 from .beyond import fitted_config
-from .cache import BufferPool, KVCache, kv_buffer_bytes, release_freed_memory
+from .cache import BufferPool, KVCache, kv_buffer_bytes
 from .config import EngineConfig, ModelArgs, SamplingConfig, SpotlightConfig
 from .errors import ContextTooLong, DeviceUnavailable, EncoderMismatch
 from .hashing import EncoderSpec, Encoders, checkpoint_matches, load_encoders
+from .heap import release_freed_memory
 from .generate import Context, ProgressFn, Step, prefill, stream
 from .model import Transformer, build_model
 from .observers import StepObserver

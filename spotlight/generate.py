@@ -18,9 +18,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .cache import KVCache, KVRows, release_freed_memory
+from .cache import KVCache, KVRows
 from .config import SamplingConfig
 from .errors import ContextTooLong
+from .heap import release_freed_memory
 from .observers import StepObserver
 from .twolevel import code_summary
 

@@ -35,8 +35,8 @@ from kernels import quant
 from kernels.attend_cpu import C_ATTEND_F16, attend_splits, c_attend_fits, new_attend_scratch
 from kernels.quant import CorruptTensor, QuantMatrix, QuantMatVec, UnsupportedQuantType
 
-from .cache import release_freed_memory
 from .config import ModelArgs
+from .heap import release_freed_memory
 from .model import RMSNorm
 
 log = logging.getLogger("spotlight")

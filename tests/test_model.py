@@ -291,7 +291,7 @@ def test_a_long_chunk_runs_its_mlp_in_slices_with_the_same_values():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RssAnon and malloc_trim: Linux with glibc")
 def test_release_freed_memory_gives_freed_heap_pages_back():
     """Small freed buffers below a live one stay resident until release_freed_memory trims the heap."""
-    from spotlight.cache import release_freed_memory
+    from spotlight.heap import release_freed_memory
 
     def anon_mib() -> float:
         line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssAnon:"))
