@@ -153,6 +153,12 @@ static float row_q6_k_scalar(const uint8_t *rb, int64_t nb, const float *x) {
 /* ------------------------------------------------------------------------ AVX2 rows */
 #if QUANT_SIMD
 
+static float hsum128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 static float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -528,8 +534,10 @@ static inline __m256 dot32(__m256i w, const int16_t *x) {
 /* 16 bytes of nibbles -> 32 bytes: value i < 16 the low nibble of byte i, value i >= 16 the high
    nibble of byte i - 16 (the legacy blocks' order). */
 static inline __m256i nibbles_32(const uint8_t *p) {
-    __m128i q = _mm_loadu_si128((const __m128i *)p), low4 = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low4), _mm_and_si128(q, low4));
+    /* the 16 bytes in both halves, the upper half's 64-bit lanes shifted down 4 (a byte's high
+       nibble comes down; the bits shifted in from the next byte are masked off) */
+    __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
 }
 
 /* The 32 bits of `bits` as 32 bytes, byte i = 0xFF where bit i is set. */
@@ -596,42 +604,52 @@ static float rowx_q4_1_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
     return hsum(acc) + mins;
 }
 
-/* One Q5_0 block's codes (stored as code + 16) times its run of x: 8 int32 lane sums as floats. */
-static inline __m256 q5_0_dot(const uint8_t *rb, const int8_t *xp, const int32_t *s4) {
-    const __m256i sixteen = _mm256_set1_epi8(16);
+/* One Q5_0 block's stored codes (code + 16, unsigned) times its run of x: 8 int32 lane sums as
+   floats, the offset not taken out (rowx_q5_0_simd takes it out of the row's sum). */
+static inline __m256 q5_0_dot(const uint8_t *rb, const int8_t *xp) {
     uint32_t bits;
     memcpy(&bits, rb + 2, sizeof bits);  /* little-endian, as x86 is */
 #if defined(__AVX512VBMI__) && defined(__AVX512VL__)
+    __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(rb + 6)));
     const __m256i shifts = _mm256_setr_epi8(0, 8, 16, 24, 32, 40, 48, 56, 0, 8, 16, 24, 32, 40, 48, 56,
                                             4, 12, 20, 28, 36, 44, 52, 60, 4, 12, 20, 28, 36, 44, 52, 60);
-    __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(rb + 6)));
     __m256i nib = _mm256_and_si256(_mm256_multishift_epi64_epi8(shifts, both), _mm256_set1_epi8(15));
-    __m256i w = _mm256_mask_add_epi8(nib, (__mmask32)bits, nib, sixteen);
+    __m256i w = _mm256_mask_add_epi8(nib, (__mmask32)bits, nib, _mm256_set1_epi8(16));
 #else
-    __m256i w = _mm256_or_si256(nibbles_32(rb + 6), _mm256_and_si256(bits_to_bytes(bits), sixteen));
+    __m256i w = _mm256_or_si256(nibbles_32(rb + 6), _mm256_and_si256(bits_to_bytes(bits), _mm256_set1_epi8(16)));
 #endif
-    return dot32_offset(w, xp, s4, 4);
+    return _mm256_cvtepi32_ps(dot_planes(w, xp));
 }
 
+/* The codes' offset (16) comes out once per row: 16 * sum over blocks of d * x's scale * x's
+   integer sum over the run, four blocks a vector (one per block cost a load, a shift and a
+   subtraction per block, a sixth of the block's instructions). */
 static float rowx_q5_0_simd(const uint8_t *rb, int64_t nb, const x16 *x) {
     const int8_t *xp = x->planes;
     const float *xd = x->d;
-    const int32_t *s4 = x->sum4;
+    const int32_t *xs = x->sum;
     __m256 acc = _mm256_setzero_ps();
+    __m128 offset = _mm_setzero_ps();
     int64_t b = 0;
     /* Four blocks at a time: their fp16 scales converted and multiplied by x's in one vector, then
        broadcast from memory (one converted scale a block cost as many shuffles as its codes). */
-    for (; b + 4 <= nb; b += 4, rb += 4 * 22, xp += 4 * 2 * QK, s4 += 4 * QK / 4) {
+    for (; b + 4 <= nb; b += 4, rb += 4 * 22, xp += 4 * 2 * QK) {
         uint16_t h[4];
         float f[4];
         for (int i = 0; i < 4; i++) memcpy(h + i, rb + 22 * i, sizeof h[i]);
-        _mm_storeu_ps(f, _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)), _mm_loadu_ps(xd + b)));
+        __m128 f4 = _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)), _mm_loadu_ps(xd + b));
+        _mm_storeu_ps(f, f4);
+        offset = _mm_fmadd_ps(f4, _mm_cvtepi32_ps(_mm_loadu_si128((const __m128i *)(xs + b))), offset);
         for (int i = 0; i < 4; i++)
-            acc = _mm256_fmadd_ps(q5_0_dot(rb + 22 * i, xp + 2 * QK * i, s4 + QK / 4 * i), _mm256_broadcast_ss(f + i), acc);
+            acc = _mm256_fmadd_ps(q5_0_dot(rb + 22 * i, xp + 2 * QK * i), _mm256_broadcast_ss(f + i), acc);
     }
-    for (; b < nb; b++, rb += 22, xp += 2 * QK, s4 += QK / 4)
-        acc = _mm256_fmadd_ps(q5_0_dot(rb, xp, s4), _mm256_set1_ps(half_to_float(rb) * xd[b]), acc);
-    return hsum(acc);
+    float rest = 0.0f;
+    for (; b < nb; b++, rb += 22, xp += 2 * QK) {
+        float f = half_to_float(rb) * xd[b];
+        acc = _mm256_fmadd_ps(q5_0_dot(rb, xp), _mm256_set1_ps(f), acc);
+        rest += f * (float)xs[b];
+    }
+    return hsum(acc) - 16.0f * (hsum128(offset) + rest);
 }
 
 /* Q4_K's 12 bytes of 6-bit scales and mins (scale_min_k4's packing) -> 8 scale bytes then 8 min bytes. */
