@@ -957,6 +957,44 @@ int quant_decode_head(const float *x, int64_t dim, const float *norm_weight, flo
     return 0;
 }
 
+#if QUANT_SIMD
+/* e^x for 8 floats, within ~2 ulp of expf over the range silu needs (x clamped to +-87.3, where
+   expf is still a normal float): x = n ln2 + r with |r| <= ln2 / 2, e^r as Cephes' expf
+   polynomial, 2^n put into the exponent bits. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: exact n * hi */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+#endif
+
+/* act (width,) = silu(gate) * up, silu(g) = g / (1 + e^-g): eight at a time with exp8 where the
+   build has AVX2 (expf one value at a time was ~33 us of a Qwen2.5 layer, serial between two
+   parallel products), expf for the rest. */
+static void silu_mul(const float *gate, const float *up, int64_t width, float *act) {
+    int64_t i = 0;
+#if QUANT_SIMD
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= width; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < width; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 /* After a block's attention: out = x + wo @ attn; h = norm(out); [gate, up] = gate_up @ h;
    out += down @ (silu(gate) * up), silu(g) = g / (1 + exp(-g)). gate_up's parts stack gate then
    up (2 * width rows). Buffers: h (dim,), ff (2 * width,), act (width,), scratch
@@ -969,10 +1007,7 @@ int quant_decode_tail(const float *x, int64_t dim, const float *attn, int64_t at
     for (int64_t i = 0; i < dim; i++) out[i] = x[i] + h[i];
     rms_norm(out, norm_weight, eps, dim, h);
     if (parts_matvec(gate_up, n_gate_up, dim, h, scratch, ff, 0, threads)) return -1;
-    for (int64_t i = 0; i < width; i++) {
-        float g = ff[i];
-        act[i] = g / (1.0f + expf(-g)) * ff[width + i];
-    }
+    silu_mul(ff, ff + width, width, act);
     if (parts_matvec(down, n_down, width, act, scratch, h, 0, threads)) return -1;
     for (int64_t i = 0; i < dim; i++) out[i] = out[i] + h[i];
     return 0;
