@@ -265,6 +265,27 @@ def test_fused_decode_equals_the_modules(tiny_pair, activations, tolerance):
 
 
 @pytest.mark.skipif(not quant.C_FUSED or not quant.C_SIMD, reason="needs kernels/_quant.so with AVX2")
+def test_fused_decode_silu_holds_far_in_both_tails(tiny_pair):
+    """The fused tail's silu (quant.c silu_mul: eight values at a time through exp8, a polynomial
+    within ~1.2 ulp of expf) against torch's, with the MLP norms scaled until the gate values
+    reach the hundreds of both signs, where e^-g overflows or vanishes."""
+    fp32, _, _, path = tiny_pair
+    model = random_norms(copy.deepcopy(fp32), 6)
+    with torch.no_grad():
+        for block in model.layers:
+            block.ffn_norm.weight.mul_(400.0)
+    use_quantized_linear(model, path, fp32.args, activations="fp32")
+    gates = []
+    width = model.args.intermediate_size
+    hook = model.layers[0].feed_forward.w_gate_up.register_forward_hook(
+        lambda module, args, out: gates.append(out[..., :width].abs().max().item()))
+    errors = fused_against_modules(model, torch.arange(3, 40), [5, 77, 200, 9])
+    hook.remove()
+    assert min(gates) >= 100.0, gates  # the module runs' gate values: far in the tails
+    assert max(errors) <= 1e-5, errors
+
+
+@pytest.mark.skipif(not quant.C_FUSED or not quant.C_SIMD, reason="needs kernels/_quant.so with AVX2")
 def test_fused_decode_adds_the_biases():
     """Qwen2's q/k/v biases (and any other linear's) enter the fused products."""
     torch.manual_seed(5)
