@@ -303,7 +303,8 @@ static float row_q6_k_simd(const uint8_t *rb, int64_t nb, const float *x) {
 
    The integer sums are exact (|code| <= 128, |q| <= 32639: a madd pair stays below 2^23; a
    maddubs pair of codes <= 63 and bytes >= -128 stays within int16), so the
-   SIMD and scalar paths differ only in the order of the fp32 additions of the per-run terms. */
+   SIMD and scalar paths differ only in the order of the fp32 additions of the per-run terms (and,
+   for Q5_0's SIMD rows, in taking the codes' offset out of the row's fp32 sum, not each run's). */
 
 /* The largest |q|: 127 * 256 + 127, so that every q splits into two signed bytes (below). */
 enum { X16_MAX = 32639 };
@@ -314,7 +315,8 @@ enum { X16_MAX = 32639 };
    sum4 (n/4,) int32 sums of q over each run of 32 and of 4. The AVX2 kernels of formats with
    unsigned codes (Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) multiply the codes by both byte planes with
    maddubs (unsigned x signed bytes, 32 products an instruction) and take a stored offset out of
-   each int32 lane with sum4; Q8_0's signed codes use q. Both give the same exact integer sums. */
+   each int32 lane with sum4 (Q5_0: out of the row's sum with sum, rowx_q5_0_simd); Q8_0's signed
+   codes use q. */
 typedef struct {
     const int16_t *q;
     const int8_t *planes;
@@ -958,7 +960,7 @@ int quant_decode_head(const float *x, int64_t dim, const float *norm_weight, flo
 }
 
 #if QUANT_SIMD
-/* e^x for 8 floats, within ~2 ulp of expf over the range silu needs (x clamped to +-87.3, where
+/* e^x for 8 floats, within 1.3 ulp of e^x (measured over [-87, 87]) in the range silu needs (x clamped to +-87.3, where
    expf is still a normal float): x = n ln2 + r with |r| <= ln2 / 2, e^r as Cephes' expf
    polynomial, 2^n put into the exponent bits. */
 static inline __m256 exp8(__m256 x) {
