@@ -31,6 +31,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#include "simd.h"  /* exp2_8 */
 #define QUANT_SIMD 1
 #else
 #define QUANT_SIMD 0
@@ -160,10 +161,7 @@ static float hsum128(__m128 s) {
 }
 
 static float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return hsum128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 }
 
 /* 8 bytes (zero- or sign-extended) as 8 floats */
@@ -959,38 +957,18 @@ int quant_decode_head(const float *x, int64_t dim, const float *norm_weight, flo
     return 0;
 }
 
-#if QUANT_SIMD
-/* e^x for 8 floats, within 1.3 ulp of e^x (measured over [-87, 87]) in the range silu needs (x clamped to +-87.3, where
-   expf is still a normal float): x = n ln2 + r with |r| <= ln2 / 2, e^r as Cephes' expf
-   polynomial, 2^n put into the exponent bits. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(87.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: exact n * hi */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-#endif
 
-/* act (width,) = silu(gate) * up, silu(g) = g / (1 + e^-g): eight at a time with exp8 where the
-   build has AVX2 (expf one value at a time was ~33 us of a Qwen2.5 layer, serial between two
+/* act (width,) = silu(gate) * up, silu(g) = g / (1 + e^-g): eight at a time where the build has
+   AVX2, e^-g as simd.h's exp2_8 of -g * log2(e), capped at 2^126 (g below -87, where silu is 0 to
+   fp32's precision; expf one value at a time was ~33 us of a Qwen2.5 layer, serial between two
    parallel products), expf for the rest. */
 static void silu_mul(const float *gate, const float *up, int64_t width, float *act) {
     int64_t i = 0;
 #if QUANT_SIMD
-    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 one = _mm256_set1_ps(1.0f), minus_log2e = _mm256_set1_ps(-1.44269504088896341f);
     for (; i + 8 <= width; i += 8) {
         __m256 g = _mm256_loadu_ps(gate + i);
-        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 e = exp2_8(_mm256_min_ps(_mm256_mul_ps(g, minus_log2e), _mm256_set1_ps(126.0f)));
         _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
     }
 #endif

@@ -266,9 +266,9 @@ def test_fused_decode_equals_the_modules(tiny_pair, activations, tolerance):
 
 @pytest.mark.skipif(not quant.C_FUSED or not quant.C_SIMD, reason="needs kernels/_quant.so with AVX2")
 def test_fused_decode_silu_holds_far_in_both_tails(tiny_pair):
-    """The fused tail's silu (quant.c silu_mul: eight values at a time through exp8, a polynomial
-    within ~1.2 ulp of expf) against torch's, with the MLP norms scaled until the gate values
-    reach the hundreds of both signs, where e^-g overflows or vanishes."""
+    """The fused tail's silu (quant.c silu_mul: eight values at a time through simd.h's exp2_8,
+    capped at 2^126) against torch's, with the MLP norms scaled until the gate values reach the
+    hundreds of both signs, where e^-g overflows or vanishes."""
     fp32, _, _, path = tiny_pair
     model = random_norms(copy.deepcopy(fp32), 6)
     with torch.no_grad():
