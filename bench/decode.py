@@ -424,8 +424,8 @@ def main(argv=None):
                    help="part engine: add our engine decoding with Spotlight (the app's defaults and trained encoders) "
                         "beside our dense path at 2 kernel threads and llama.cpp; for long --contexts such as 32768")
     p.add_argument("--model", default=None, metavar="NAME",
-                   help="part engine: a packaged model's name (default: the default model; transformers runs for "
-                        "the default only, its fp32 copy being made once)")
+                   help=f"part engine: a packaged model's name (default {DEFAULT_NAME}, the small model; transformers "
+                        "runs for it only, its fp32 copy being made once)")
     args = p.parse_args(argv)
     # Each part keeps its own RESULTS.md section, so running one part never erases the other's.
     part_args = argparse.Namespace(**{**vars(args), "json": None})

@@ -220,9 +220,12 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return out.reshape(H, 1, D)  # a view on the CPU; CUDA's SDPA may return other strides
 
 
-# The most tokens one MLP call multiplies at once (inference on the CPU): a longer prefill chunk
-# runs its MLP in slices of this many, bounding the (T, 2F) intermediate (peak memory) at little
-# cost (a quantized model dequantises the MLP's weights once per slice, ~3 % of a Qwen2.5 chunk).
+# The largest (T, 2F) MLP intermediate one call makes (inference on the CPU): a prefill chunk whose
+# intermediate would be larger runs its MLP in slices of FFN_ROWS tokens, bounding peak memory (a
+# 1,024-token Qwen2.5 chunk's is 40 MB, a slice's 10 MB; a quantized model dequantises the MLP's
+# weights once per slice, ~3 % of such a chunk). Below it a chunk runs whole: SmolLM2-135M's 12.6 MB
+# at 1,024 tokens in four slices made its prefill 7-8 % slower (docs/DECISIONS.md, session 33).
+FFN_WHOLE_BYTES = 16 << 20
 FFN_ROWS = 256
 
 
@@ -235,7 +238,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        if torch.is_grad_enabled() or T <= FFN_ROWS or x.device.type != "cpu":
+        whole = T * 2 * self.width * x.element_size() <= FFN_WHOLE_BYTES  # the (T, 2F) intermediate's bytes
+        if torch.is_grad_enabled() or x.device.type != "cpu" or whole:
             return self._rows(x)
         # NOTE: a long CPU prefill chunk in slices of FFN_ROWS tokens (each token's MLP is its own):
         # the (T, 2F) intermediate of a 1,024-token Qwen2.5 chunk is 40 MB of the process's peak, a

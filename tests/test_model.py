@@ -270,22 +270,28 @@ def test_one_row_linear_sees_weights_changed_in_place_and_replaced():
 
 
 def test_a_long_chunk_runs_its_mlp_in_slices_with_the_same_values():
-    """FeedForward over more than FFN_ROWS tokens (inference): slices of FFN_ROWS rows, each row's
-    values those of the whole product (to fp32 rounding of a GEMM blocked by its row count)."""
-    from spotlight.model import FFN_ROWS, FeedForward
+    """FeedForward over a chunk whose (T, 2F) intermediate exceeds FFN_WHOLE_BYTES (inference):
+    slices of FFN_ROWS rows, each row's values those of the whole product (to fp32 rounding of a
+    GEMM blocked by its row count); a chunk within the bound runs in one call."""
+    from spotlight.model import FFN_ROWS, FFN_WHOLE_BYTES, FeedForward
     from spotlight.testing import tiny_args
 
     torch.manual_seed(3)
     mlp = FeedForward(tiny_args()).eval()
-    x = torch.randn(2 * FFN_ROWS + 5, tiny_args().dim)  # (T, E): two whole slices and a short one
+    whole = FFN_WHOLE_BYTES // (2 * mlp.width * 4)  # the most rows one call takes
+    x = torch.randn(whole + 5, tiny_args().dim)  # (T, E): past the bound
     gate, up = mlp.w_gate_up(x).split(mlp.width, dim=-1)  # (T, F) x2
     want = mlp.w_down(torch.nn.functional.silu(gate) * up).detach()  # (T, E) in one product
+    rows_per_call = []
+    mlp.w_gate_up.register_forward_hook(lambda module, args, out: rows_per_call.append(args[0].shape[0]))
     with torch.inference_mode():
         got = mlp(x)
-        first = mlp(x[:FFN_ROWS])  # one slice: the unsliced path
-    assert got.shape == want.shape
+        sliced, rows_per_call[:] = list(rows_per_call), []
+        first = mlp(x[:whole])  # at the bound: one call
+    assert sliced == [min(FFN_ROWS, x.shape[0] - start) for start in range(0, x.shape[0], FFN_ROWS)]
+    assert rows_per_call == [whole]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(first, want[:FFN_ROWS], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first, want[:whole], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RssAnon and malloc_trim: Linux with glibc")
