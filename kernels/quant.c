@@ -957,7 +957,6 @@ int quant_decode_head(const float *x, int64_t dim, const float *norm_weight, flo
     return 0;
 }
 
-
 /* act (width,) = silu(gate) * up, silu(g) = g / (1 + e^-g): eight at a time where the build has
    AVX2, e^-g as simd.h's exp2_8 of -g * log2(e), capped at 2^126 (g below -87, where silu is 0 to
    fp32's precision; expf one value at a time was ~33 us of a Qwen2.5 layer, serial between two

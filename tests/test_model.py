@@ -278,7 +278,7 @@ def test_a_long_chunk_runs_its_mlp_in_slices_with_the_same_values():
 
     torch.manual_seed(3)
     mlp = FeedForward(tiny_args()).eval()
-    whole = FFN_WHOLE_BYTES // (2 * mlp.width * 4)  # the most rows one call takes
+    whole = FFN_WHOLE_BYTES // (2 * mlp.width * torch.float32.itemsize)  # the most rows one call takes
     x = torch.randn(whole + 5, tiny_args().dim)  # (T, E): past the bound
     gate, up = mlp.w_gate_up(x).split(mlp.width, dim=-1)  # (T, F) x2
     want = mlp.w_down(torch.nn.functional.silu(gate) * up).detach()  # (T, E) in one product
