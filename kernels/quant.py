@@ -191,13 +191,15 @@ def matvec(qm: QuantMatrix, x, out, bias=None) -> np.ndarray:
 
 
 def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | None = None, *,
-                    numba: bool = False) -> np.ndarray:
+                    numba: bool = False, workers: int | None = None) -> np.ndarray:
     """Rows [row_start, row_end) of W as fp32 into out (row_end - row_start, E); returns out.
 
     The values equal gguf.quants.dequantize's bit for bit. out: a C-contiguous float32 numpy array
     or CPU tensor of exactly that shape (e.g. a view of a reused buffer). Runs quant.c's
     quant_dequantize where the library has it (every format; no JIT compiler in memory), else the
-    numba kernels; `numba=True` forces those (tests compare both).
+    numba kernels; `numba=True` forces those (tests compare both). quant.c splits the rows over
+    `workers` OpenMP threads (default: the kernel threads, `threads()`); a prefill passes torch's
+    thread count, since its GEMMs run on those (the values do not depend on the split).
     """
     row_end = qm.rows if row_end is None else row_end
     if not 0 <= row_start <= row_end <= qm.rows:
@@ -211,7 +213,7 @@ def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | Non
     fmt = qm.format
     if C_DEQUANTIZE and not numba:  # quant.c: no JIT (numba's compiler is never loaded for it)
         if _LIB.quant_dequantize(fmt.kind, qm.blocks.ctypes.data, qm.bytes_per_row, qm.cols // fmt.values, row_start,
-                                 row_end, dest.ctypes.data, threads() if C_THREADS else 1):
+                                 row_end, dest.ctypes.data, (workers or threads()) if C_THREADS else 1):
             raise ValueError(f"{LIBRARY} has no {qm.qtype} dequantisation; rebuild it with `make setup`")
         return dest
     if not HAVE_NUMBA:  # pragma: no cover - numpy fallback

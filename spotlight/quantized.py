@@ -194,14 +194,16 @@ class QuantLinear(nn.Module):
 
     def _weight_rows(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of W (F, E) in fp32: a view of `dense`, or dequantised from the parts
-        they fall in into the shared buffer (valid until its next use)."""
+        they fall in into the shared buffer (valid until its next use), on torch's threads, which
+        run the product that follows (the kernel threads may be fewer)."""
         if self.dense is not None:
             return self.dense[start:end]
         weight = self.scratch.view(end - start, self.in_features)  # (F', E)
         for part, offset in zip(self.parts, self._offsets):
             first, last = max(start, offset), min(end, offset + part.rows)
             if first < last:
-                quant.dequantize_into(part, weight[first - start:last - start], first - offset, last - offset)
+                quant.dequantize_into(part, weight[first - start:last - start], first - offset, last - offset,
+                                      workers=torch.get_num_threads())
         return weight
 
     def _one_row(self, x: torch.Tensor) -> torch.Tensor:

@@ -132,8 +132,10 @@ def test_one_and_two_threads_give_the_same_bits(qtype, rows, two_threads):
     kernels.set_threads(1)
     one = matvec(qm, x, np.empty(qm.rows, np.float32))
     one_dense = dequantize_into(qm, np.empty((qm.rows, qm.cols), np.float32))
+    spread = dequantize_into(qm, np.empty((qm.rows, qm.cols), np.float32), workers=2)  # a prefill's: torch's threads
     np.testing.assert_array_equal(one.view(np.uint32), two.view(np.uint32))
     np.testing.assert_array_equal(one_dense.view(np.uint32), two_dense.view(np.uint32))
+    np.testing.assert_array_equal(spread.view(np.uint32), one_dense.view(np.uint32))
 
 
 def test_truncated_bytes_raise_corrupt_tensor():
