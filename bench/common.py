@@ -53,9 +53,10 @@ class Target:
         return {"name": self.name, "value": self.value, "target": self.target, "met": self.met}
 
 
-def parser(name: str, description: str) -> argparse.ArgumentParser:
+def parser(name: str, description: str, quick: str = "small sizes; about a minute on 2 cores") -> argparse.ArgumentParser:
+    """The flags every bench takes; `quick` is what --quick runs and how long it takes."""
     p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=description)
-    p.add_argument("--quick", action="store_true", help="small sizes; about a minute on 2 cores")
+    p.add_argument("--quick", action="store_true", help=quick)
     p.add_argument("--json", metavar="PATH", help="also write the rows and targets as JSON here")
     p.add_argument(
         "--no-results", action="store_true", help="do not rewrite this benchmark's section of docs/RESULTS.md"

@@ -264,7 +264,8 @@ def select_questions(questions: list[Question], quick: bool, only: str | None) -
 
 
 def main(argv=None) -> int:
-    p = parser("docqa", "document QA through the chat service: packaged models x dense/Spotlight x length")
+    p = parser("docqa", "document QA through the chat service: packaged models x dense/Spotlight x length",
+               quick="10 questions at 2K only; about 25 minutes on 2 cores")
     p.add_argument("--models", default="smollm2,qwen", help="comma-separated packaged model names or prefixes")
     p.add_argument("--lengths", default=None, help="comma-separated context lengths in tokens "
                                                    "(default 2048,8192; --quick 2048; --full adds 32768)")

@@ -277,7 +277,7 @@ METHODS = ("spotlight", "sinks+window", "truncated", "dense in window")
 def main(argv=None) -> dict:
     from bench.quality_tasks import essay_ids
 
-    p = parser("longctx", __doc__.splitlines()[0])
+    p = parser("longctx", __doc__.splitlines()[0], quick="16K and 32K only; about 20 minutes on 2 cores")
     p.add_argument("--full", action="store_true",
                    help="also 256K and 512K tokens (the default: 16K, 32K, 64K and 128K; --quick: 16K and 32K)")
     p.add_argument("--lengths", help="comma-separated prompt lengths in tokens (overrides --quick/--full)")
