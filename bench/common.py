@@ -53,7 +53,8 @@ class Target:
         return {"name": self.name, "value": self.value, "target": self.target, "met": self.met}
 
 
-def parser(name: str, description: str, quick: str = "small sizes; about a minute on 2 cores") -> argparse.ArgumentParser:
+def parser(name: str, description: str,
+           quick: str = "small sizes; about a minute on 2 cores") -> argparse.ArgumentParser:
     """The flags every bench takes; `quick` is what --quick runs and how long it takes."""
     p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=description)
     p.add_argument("--quick", action="store_true", help=quick)
