@@ -199,11 +199,12 @@ class QuantLinear(nn.Module):
         if self.dense is not None:
             return self.dense[start:end]
         weight = self.scratch.view(end - start, self.in_features)  # (F', E)
+        workers = torch.get_num_threads()
         for part, offset in zip(self.parts, self._offsets):
             first, last = max(start, offset), min(end, offset + part.rows)
             if first < last:
                 quant.dequantize_into(part, weight[first - start:last - start], first - offset, last - offset,
-                                      workers=torch.get_num_threads())
+                                      workers=workers)
         return weight
 
     def _one_row(self, x: torch.Tensor) -> torch.Tensor:
