@@ -30,13 +30,13 @@ $(STAMP): requirements.txt requirements-nodeps.txt requirements-models.txt
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) || echo "no chromium: browser tests will skip"
 	touch $(STAMP)
 
-# The compiled decode kernels (kernels/quant.c: quantized products; kernels/attend.c: attention; kernels/encode.c: query codes). Optional: without a compiler, or when the build
+# The compiled decode kernels (kernels/quant.c: quantized products; kernels/attend.c: attention; kernels/encode.c: query codes; kernels/scan.c: the far scan over byte planes). Optional: without a compiler, or when the build
 # fails, setup goes on and kernels/quant.py uses its numba kernels. -ffp-contract=off keeps each
 # dequantised weight rounded as gguf rounds it (no fused multiply-add inside the weight).
 QUANT_SO := kernels/_quant.so
 
-$(QUANT_SO): kernels/quant.c kernels/attend.c kernels/attend_rows.h kernels/encode.c kernels/simd.h
-	cc -O3 -march=native -ffp-contract=off -fopenmp -shared -fPIC -o $@ kernels/quant.c kernels/attend.c kernels/encode.c -lm || echo "kernels/quant.c not built: the numba kernels will be used"
+$(QUANT_SO): kernels/quant.c kernels/attend.c kernels/attend_rows.h kernels/encode.c kernels/scan.c kernels/simd.h
+	cc -O3 -march=native -ffp-contract=off -fopenmp -shared -fPIC -o $@ kernels/quant.c kernels/attend.c kernels/encode.c kernels/scan.c -lm || echo "kernels/quant.c not built: the numba kernels will be used"
 
 setup: $(STAMP) $(QUANT_SO)
 

@@ -17,7 +17,9 @@ over all cached rows or over selected rows, reading them in place) lives in kern
 (kernels/encode.py). Two-level retrieval (kernels/ranges.py): `ranges_score_select`, the flat
 selection over each head's token ranges, runs on both backends (CUDA: kernels/retrieval.cu
 `range_scores`, compile-checked only so far); the host-side span table's helpers
-(`bit_counts`, `span_scores`, `pick_ranges`) are CPU only.
+(`bit_counts`, `span_scores`, `pick_ranges`) are CPU only. The folded scan past the window also
+runs on byte planes of the codes (kernels/planes.py over kernels/scan.c, AVX2; CPU only):
+`write_planes`, `planes_select_blocks` (score_select_blocks' result), where `planes_fit`.
 
 CPU threads: `set_threads(n)` (default 1, measured in kernels/cpu.py). Importing this package
 never imports cupy; the CUDA backend raises `CudaUnavailable` when asked for without a usable
@@ -34,6 +36,7 @@ from . import cpu
 from . import ranges as _ranges
 from .cpu import Layout, Scratch, selection_layout, set_threads, words_for
 from .encode import MlpCoder, mlp_codes
+from .planes import PlaneScratch, planes_fit, planes_select_blocks, write_planes
 from .ranges import bit_counts, pick_ranges, span_scores
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "set_threads", "attend", "gather_attend", "remapped_attend", "selected_scores", "make_attend_scratch", "mlp_codes",
     "MlpCoder",
     "bit_counts", "span_scores", "pick_ranges", "ranges_score_select",
+    "write_planes", "planes_fit", "planes_select_blocks", "PlaneScratch",
 ]
 
 BACKENDS = ("cpu", "numpy", "cuda")

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kernels
+
 from .config import ModelArgs
 from .twolevel import SpanTable
 
@@ -147,6 +149,25 @@ class KeyCodes:
             self.data = np.zeros(shape, dtype=np.uint64)  # (L, Hkv, W, Ncap)
         else:
             self.data = torch.zeros(shape, dtype=torch.int64, device=device)  # (L, Hkv, W, Ncap), the same bits
+        # host codes also as byte planes (kernels/planes.py: the far scan reads them), made at the first
+        # `planes` call and kept up to date lazily, per layer: tokens [0, planed[l]) are written
+        self._planes: np.ndarray | None = None  # (L, Hkv, 8 W, Ncap) uint8
+        self.planed = np.zeros(shape[0], np.int64)  # (L,)
+
+    def planes(self, layer: int, n: int) -> np.ndarray:
+        """The byte planes (Hkv, 8 W, Ncap) of `layer` (host codes only) with tokens [0, n) written."""
+        if self._planes is None:
+            L, hkv, words, capacity = self.data.shape
+            self._planes = np.empty((L, hkv, 8 * words, capacity), np.uint8)
+        done = int(self.planed[layer])
+        if done < n:
+            kernels.write_planes(self.data[layer], done, n, self._planes[layer])
+            self.planed[layer] = n
+        return self._planes[layer]
+
+    def truncate(self, length: int) -> None:
+        """Forget the byte planes of tokens from `length` on (the codes there will be written again)."""
+        np.minimum(self.planed, length, out=self.planed)
 
     @property
     def on_host(self) -> bool:
@@ -274,6 +295,8 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
         self.spans.truncate(length)
+        if self.key_codes is not None:
+            self.key_codes.truncate(length)
 
     def keys(self, layer: int, extra: int = 0) -> torch.Tensor:
         """Cached keys of a layer including `extra` rows being written: (Hkv, N, D) view."""

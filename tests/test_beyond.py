@@ -114,6 +114,32 @@ def test_folded_selection_scores_each_block_by_the_query_turned_back_by_its_dist
         np.testing.assert_array_equal(got, kernels.select(scores, 16, 4, 16))
 
 
+@pytest.mark.skipif(not kernels.planes_fit(4, 2, 1), reason="kernels/scan.c not built (AVX2)")
+def test_the_codes_byte_planes_follow_the_cache_through_truncation_and_growth():
+    """KeyCodes.planes (what the far scan reads) is written lazily up to the tokens asked for; a
+    truncated cache writes the planes of its new codes again, and a grown one rebuilds them."""
+    model = tiny_model()
+    cache = KVCache(model.args, 1000, code_words=1)
+    rng = np.random.default_rng(4)
+
+    def expected(layer, n):
+        codes = cache.codes[layer, :, :, :n]  # (Hkv, W, n)
+        hkv, words = codes.shape[:2]
+        return np.ascontiguousarray(codes).view(np.uint8).reshape(hkv, words, n, 8).transpose(0, 1, 3, 2) \
+            .reshape(hkv, 8 * words, n)
+
+    cache.codes[..., :900] = rng.integers(0, 2**64, size=cache.codes[..., :900].shape, dtype=np.uint64)
+    cache.advance(900)
+    np.testing.assert_array_equal(cache.key_codes.planes(1, 700)[:, :, :700], expected(1, 700))
+    cache.truncate(500)
+    cache.codes[..., 500:900] = rng.integers(0, 2**64, size=cache.codes[..., 500:900].shape, dtype=np.uint64)
+    cache.advance(400)
+    np.testing.assert_array_equal(cache.key_codes.planes(1, 880)[:, :, :880], expected(1, 880))
+    assert cache.key_codes.planed.tolist() == [0, 880] + [0] * (model.args.n_layers - 2)
+    cache.reserve(3000)  # grown: the codes are copied, the planes made again when asked
+    np.testing.assert_array_equal(cache.key_codes.planes(1, 900)[:, :, :900], expected(1, 900))
+
+
 def rope_at(raw: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """raw rows (Hkv, T, D) rotated at `positions` (T,) or per head (Hkv, T)."""
     if positions.dim() == 1:

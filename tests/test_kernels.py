@@ -355,6 +355,47 @@ def test_score_select_blocks_refuses_blocks_that_leave_part_of_the_middle_out():
         kernels.score_select_blocks(q, k, 100, [4, 50, 90], 10, 4, 8)
 
 
+needs_planes = pytest.mark.skipif(not kernels.planes_fit(14, 2, 2), reason="kernels/scan.c not built (AVX2)")
+
+
+@needs_planes
+@pytest.mark.parametrize("group, words", [(1, 1), (3, 2), (7, 2), (8, 2), (15, 1), (4, 4)])  # 8+: one plane at a time
+@pytest.mark.parametrize("n, budget, blocks", [(300, 40, 3), (5000, 700, 1), (cpu.SAMPLE_FROM + 3001, 2000, 6)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_byte_plane_scan_selects_what_the_folded_scan_selects(group, words, n, budget, blocks, threads):
+    """kernels/scan.c over the codes' byte planes: the folded scan's selection, index for index, with
+    ties (repeated codes), blocks whose bounds are no multiple of its 32-token vectors, and a middle
+    shorter than a vector's multiple."""
+    rng = np.random.default_rng(group * 100 + words + n + threads)
+    _, k = random_codes(rng, 2, group, words, n + 5)
+    k[:, :, 100:160] = k[:, :, 40:100]  # ties
+    q = rng.integers(0, 2**64, size=(blocks, 2 * group, words), dtype=np.uint64)  # (R, H, W)
+    layout = kernels.selection_layout(n, budget, SINKS, 256)
+    bounds = blocks_of(layout, blocks) if blocks > 1 else [layout.sinks_end, layout.window_start]
+    planes = np.zeros((2, 8 * words, n + 5), np.uint8)
+    kernels.write_planes(k, 0, n, planes)
+    before = cpu.threads()
+    try:
+        kernels.set_threads(threads)
+        got = kernels.planes_select_blocks(q, planes, n, bounds, budget, SINKS, 256)
+    finally:
+        kernels.set_threads(before)
+    np.testing.assert_array_equal(got, ref_select_fast(ref_scores_blocks(q, k, n, bounds), budget, SINKS, 256))
+
+
+@needs_planes
+def test_byte_planes_hold_byte_j_of_every_code_in_row_j():
+    rng = np.random.default_rng(3)
+    _, k = random_codes(rng, 3, 1, 2, 700)
+    planes = np.full((3, 16, 710), 7, np.uint8)
+    kernels.write_planes(k, 100, 650, planes)
+    for h, w, j, t in [(0, 0, 0, 100), (2, 1, 7, 649), (1, 1, 3, 333)]:
+        assert planes[h, 8 * w + j, t] == (int(k[h, w, t]) >> (8 * j)) & 0xFF
+    assert (planes[:, :, :100] == 7).all() and (planes[:, :, 650:] == 7).all()  # tokens outside untouched
+    expected = k[:, :, 100:650].view(np.uint8).reshape(3, 2, 550, 8).transpose(0, 1, 3, 2).reshape(3, 16, 550)
+    np.testing.assert_array_equal(planes[:, :, 100:650], expected)
+
+
 def test_score_select_scans_again_a_head_its_sample_overrates(backend):
     """Adversarial codes: every sampled run matches the queries exactly, every other token does
     not, and more tokens are selected than the runs hold. The sampled bound then keeps too few
