@@ -428,7 +428,7 @@ class CodeSelector:
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes[0], k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
         if cache.key_codes.on_host and kernels.planes_fit(q_codes.shape[1], k_codes.shape[0], k_codes.shape[1]):
-            # the same selection from the codes' byte planes: 2.3x less time on AVX2 at 131K (docs/DECISIONS.md)
+            # the same selection from the codes' byte planes: the scan alone 1.3x faster on AVX2 at 131K (docs/DECISIONS.md)
             planes = cache.key_codes.planes(layer, layout.window_start)  # (Hkv, 8 W, Ncap)
             if self._plane_scratch is None or not self._plane_scratch.fits(q_codes.shape[1], planes):
                 self._plane_scratch = kernels.PlaneScratch(q_codes.shape[1], *planes.shape)
