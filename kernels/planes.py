@@ -43,12 +43,10 @@ def write_planes(k_codes: np.ndarray, lo: int, hi: int, planes: np.ndarray) -> N
         raise ValueError(f"planes must be C-contiguous uint8 ({hkv}, {8 * words}, Pcap), got {planes.dtype} {planes.shape}")
     if not 0 <= lo <= hi <= min(capacity, planes.shape[2]):
         raise ValueError(f"tokens [{lo}, {hi}) must lie within the codes' {capacity} and the planes' {planes.shape[2]}")
-    if C_PLANES:
-        if _NATIVE.planes_write(k.ctypes.data, hkv, words, capacity, lo, hi, planes.ctypes.data, planes.shape[2]):
-            raise ValueError(f"scan.c takes at most {MAX_WORDS} words a code, got {words}")
-        return
-    planes[:, :, lo:hi] = k[:, :, lo:hi].view(np.uint8).reshape(hkv, words, hi - lo, 8).transpose(0, 1, 3, 2) \
-        .reshape(hkv, 8 * words, hi - lo)
+    if not C_PLANES:  # nothing reads planes without scan.c (planes_fit)
+        raise ValueError("kernels/scan.c is not built: run `make setup` (byte planes are only read by it)")
+    if _NATIVE.planes_write(k.ctypes.data, hkv, words, capacity, lo, hi, planes.ctypes.data, planes.shape[2]):
+        raise ValueError(f"scan.c takes at most {MAX_WORDS} words a code, got {words}")
 
 
 class PlaneScratch:

@@ -17,8 +17,9 @@
    sample of them (twice the retrieved share); the tokens at or above it, in index order (a vector
    compare a 32 tokens; every token when the sample misjudged, which only costs time); then the
    candidates' histogram gives the cut (the retrieved-th best score), and the picks are every
-   candidate above it and the first ties at it. Ad hoc (session 35, /tmp/s35/bp/bp.c): scoring 24 layers x 2 heads x
-   131,072 tokens took 7.1 ms on one Zen 3 thread (AVX2), where numba's word-major scan took 18.9. */
+   candidate above it and the first ties at it. Measured (docs/DECISIONS.md, "The far scan reads the
+   key codes as byte planes"): 24 layers at 131K tokens in 14.4-15.2 ms on one Zen 3 thread (AVX2)
+   and 8.1-8.8 on two, where numba's word-major scan took 18.9-19.2 and 10.5-11.1. */
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
