@@ -396,6 +396,26 @@ def test_byte_planes_hold_byte_j_of_every_code_in_row_j():
     np.testing.assert_array_equal(planes[:, :, 100:650], expected)
 
 
+@needs_planes
+def test_byte_planes_refuse_shapes_that_do_not_match_with_a_message():
+    rng = np.random.default_rng(5)
+    _, k = random_codes(rng, 2, 7, 2, 400)
+    with pytest.raises(ValueError, match=r"planes must be C-contiguous uint8 \(2, 16, Pcap\), got int16"):
+        kernels.write_planes(k, 0, 100, np.zeros((2, 16, 400), np.int16))
+    with pytest.raises(ValueError, match=r"tokens \[0, 500\) must lie within the codes' 400 and the planes' 400"):
+        kernels.write_planes(k, 0, 500, np.zeros((2, 16, 400), np.uint8))
+    q = rng.integers(0, 2**64, size=(2, 14, 2), dtype=np.uint64)  # (R, H, W)
+    layout = kernels.selection_layout(300, 40, SINKS, 64)
+    bounds = blocks_of(layout, 2)
+    with pytest.raises(ValueError, match=r"planes uint8 \(2, 8, 400\) do not hold 300 tokens of codes"):
+        kernels.planes_select_blocks(q, np.zeros((2, 8, 400), np.uint8), 300, bounds, 40, SINKS, 64)
+    with pytest.raises(ValueError, match=r"must cover the middle"):
+        kernels.planes_select_blocks(q, np.zeros((2, 16, 400), np.uint8), 300, [10, 100, 200], 40, SINKS, 64)
+    wide = rng.integers(0, 2**64, size=(2, 16 * 2, 2), dtype=np.uint64)  # G = 16: more than scan.c takes
+    with pytest.raises(ValueError, match="does not take this geometry: use score_select_blocks"):
+        kernels.planes_select_blocks(wide, np.zeros((2, 16, 400), np.uint8), 300, bounds, 40, SINKS, 64)
+
+
 def test_score_select_scans_again_a_head_its_sample_overrates(backend):
     """Adversarial codes: every sampled run matches the queries exactly, every other token does
     not, and more tokens are selected than the runs hold. The sampled bound then keeps too few
