@@ -19,7 +19,7 @@ from .cpu import _fill_all, _fill_forced, as_codes, check_cover, result, selecti
 from .quant import _LIB as _NATIVE  # the one compiled library of the CPU kernels
 
 C_PLANES = bool(_NATIVE is not None and hasattr(_NATIVE, "planes_available") and _NATIVE.planes_available())
-MAX_WORDS, MAX_GROUP = 4, 15  # scan.c's MAX_WORDS and MAX_GROUP
+MAX_WORDS, MAX_GROUP, CAND_SLACK = 4, 15, 8  # scan.c's MAX_WORDS, MAX_GROUP and CAND_SLACK
 if C_PLANES:
     _p, _i64 = ctypes.c_void_p, ctypes.c_int64
     _NATIVE.planes_write.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _p, _i64]
@@ -50,13 +50,14 @@ def write_planes(k_codes: np.ndarray, lo: int, hi: int, planes: np.ndarray) -> N
 
 
 class PlaneScratch:
-    """scan.c's scratch for one (H, Hkv, 8 W, Pcap): int16 scores and int32 candidates (Hkv, Pcap), histograms."""
+    """scan.c's scratch for one (H, Hkv, 8 W, Pcap): int16 scores (Hkv, Pcap), int32 candidates (Hkv, Pcap +
+    CAND_SLACK), histograms."""
 
     def __init__(self, heads: int, kv_heads: int, planes: int, capacity: int):
         words = planes // 8
         self.key = (heads, kv_heads, words, capacity)
         self.scores = np.empty((kv_heads, capacity), np.int16)
-        self.candidates = np.empty((kv_heads, capacity), np.int32)
+        self.candidates = np.empty((kv_heads, capacity + CAND_SLACK), np.int32)  # collect stores eight at a time
         self.hist = np.empty((kv_heads, (heads // kv_heads) * 64 * words + 1), np.int64)
 
     def fits(self, heads: int, planes: np.ndarray) -> bool:

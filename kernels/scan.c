@@ -15,11 +15,13 @@
 
    Per head, one head per thread: the middle's scores into `scores` (int16); a bound from an even
    sample of them (twice the retrieved share); the tokens at or above it, in index order (a vector
-   compare a 32 tokens; every token when the sample misjudged, which only costs time); then the
-   candidates' histogram gives the cut (the retrieved-th best score), and the picks are every
-   candidate above it and the first ties at it. Measured (docs/DECISIONS.md, "The far scan reads the
-   key codes as byte planes"): 24 layers at 131K tokens in 14.4-15.2 ms on one Zen 3 thread (AVX2)
-   and 8.1-8.8 on two, where numba's word-major scan took 18.9-19.2 and 10.5-11.1. */
+   compare per 16 tokens and a table permutation per eight; every token when the sample misjudged,
+   which only costs time); then the candidates' histogram gives the cut (the retrieved-th best
+   score), and the picks are every candidate above it and the first ties at it. No branch in the
+   collection or the picks depends on a score. Measured (docs/DECISIONS.md, "The far scan reads the
+   key codes as byte planes" and "Branch-free candidates"): 24 layers at 131K tokens in 11.1-11.6 ms
+   on one Zen 3 thread (AVX2) and 6.6-8.6 on two, where numba's word-major scan took 18.9-19.2 and
+   10.5-11.1. */
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -30,7 +32,8 @@
 #include <immintrin.h>
 #endif
 
-enum { MAX_WORDS = 4, MAX_PLANES = 8 * MAX_WORDS, MAX_GROUP = 15, SAMPLE = 4096, SAMPLE_SLACK = 16, TILE = 512 };
+enum { MAX_WORDS = 4, MAX_PLANES = 8 * MAX_WORDS, MAX_GROUP = 15, SAMPLE = 4096, SAMPLE_SLACK = 16, TILE = 512,
+       CAND_SLACK = 8 };
 
 /* planes[h, 8 w + j, t] = byte j of codes[h, w, t] for tokens [lo, hi). codes (Hkv, W, Ncap) uint64,
    planes (Hkv, 8 W, Pcap) uint8. */
@@ -124,24 +127,44 @@ static void score_run(int8_t tab[][2][16], int32_t base, int64_t nplanes, int64_
     }
 }
 
-/* Tokens of [lo, hi) scoring >= bound, in index order, into cand; returns how many. */
+/* LEFT_PACK[m]: the positions of m's set bits (m < 256) in ascending order, then zeros: the
+   permutation that moves the tokens of eight whose bits are set to the front (collect). */
+static int32_t LEFT_PACK[256][8];
+
+__attribute__((constructor)) static void make_left_pack(void) {
+    for (int m = 0; m < 256; m++) {
+        int c = 0;
+        for (int b = 0; b < 8; b++)
+            if (m >> b & 1) LEFT_PACK[m][c++] = b;
+        while (c < 8) LEFT_PACK[m][c++] = 0;
+    }
+}
+
+/* Tokens of [lo, hi) scoring >= bound, in index order, into cand (room for hi - lo + 8: each eight
+   tokens store eight indices, of which the set ones are kept); returns how many. No branch depends on
+   the scores: a compare and movemask per 16 tokens, then per eight a permutation of their indices. */
 static int64_t collect(const int16_t *scores, int64_t lo, int64_t hi, int32_t bound, int32_t *cand) {
     int64_t c = 0, t = lo;
 #if defined(__AVX2__)
-    const __m256i below = _mm256_set1_epi16((int16_t)(bound - 1));
-    for (; t + 32 <= hi; t += 32) {
+    const __m256i below = _mm256_set1_epi16((int16_t)(bound - 1)), eight = _mm256_set1_epi32(8);
+    __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int32_t)lo), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (; t + 16 <= hi; t += 16) {
         __m256i a = _mm256_cmpgt_epi16(_mm256_loadu_si256((const __m256i *)(scores + t)), below);
-        __m256i b = _mm256_cmpgt_epi16(_mm256_loadu_si256((const __m256i *)(scores + t + 16)), below);
-        /* packs interleaves the 128-bit lanes: a0 b0 a1 b1 as quarters; the permute puts them in order */
-        uint32_t mask = (uint32_t)_mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(a, b), 0xD8));
-        while (mask) {
-            cand[c++] = (int32_t)(t + __builtin_ctz(mask));
-            mask &= mask - 1;
+        /* one bit per token: the int16 lanes' byte pairs, packed to bytes (lanes stay in order) */
+        __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        uint32_t mask = (uint32_t)_mm_movemask_epi8(bytes);
+        for (int part = 0; part < 2; part++, mask >>= 8) {
+            __m256i order = _mm256_loadu_si256((const __m256i *)LEFT_PACK[mask & 0xff]);
+            _mm256_storeu_si256((__m256i *)(cand + c), _mm256_permutevar8x32_epi32(index, order));
+            c += __builtin_popcount(mask & 0xff);
+            index = _mm256_add_epi32(index, eight);
         }
     }
 #endif
-    for (; t < hi; t++)
-        if (scores[t] >= bound) cand[c++] = (int32_t)t;
+    for (; t < hi; t++) {
+        cand[c] = (int32_t)t;
+        c += scores[t] >= bound;
+    }
     return c;
 }
 
@@ -171,17 +194,16 @@ static void select_head(const uint64_t *q, int64_t blocks, int64_t heads, int64_
     int64_t above = 0, cut = bins - 1;
     for (; cut > 0 && above + hist[cut] < retrieved; cut--) above += hist[cut];
     int64_t ties = retrieved - above, j = 0;  /* candidates scoring `cut` to take, lowest index first */
-    for (int64_t i = 0; i < count && j < retrieved; i++) {
-        int16_t s = scores[cand[i]];
-        if (s > cut || (s == cut && ties > 0)) {
-            ties -= s == cut;
-            out[j++] = cand[i];
-        }
+    for (int64_t i = 0; i < count && j < retrieved; i++) {  /* no branch on the scores */
+        int32_t s = scores[cand[i]], tie = s == cut, take = (s > cut) | (tie & (ties > 0));
+        out[j] = cand[i];
+        j += take;
+        ties -= tie & take;
     }
 }
 
 /* q (R, H, W) uint64, bounds (R + 1,) ascending; planes (Hkv, 8 W, Pcap); out row h at out + h *
-   out_stride gets the `retrieved` picks in ascending order; scores (Hkv, Pcap) int16, cand (Hkv, Pcap)
+   out_stride gets the `retrieved` picks in ascending order; scores (Hkv, Pcap) int16, cand (Hkv, Pcap + 8)
    int32 and hist (Hkv, 64 W G + 1) int64 are scratch. Returns 0, or -1 for a geometry it does not take. */
 int planes_select(const uint64_t *q, int64_t blocks, int64_t heads, int64_t words, const int64_t *bounds,
                   const uint8_t *planes, int64_t hkv, int64_t pcap, int64_t retrieved, int32_t *out,
@@ -194,7 +216,7 @@ int planes_select(const uint64_t *q, int64_t blocks, int64_t heads, int64_t word
 #pragma omp parallel for num_threads(threads > 1 ? threads : 1) schedule(static)
     for (int64_t h = 0; h < hkv; h++)
         select_head(q, blocks, heads, words, bounds, planes + h * 8 * words * pcap, pcap, h, group, retrieved,
-                    out + h * out_stride, scores + h * pcap, cand + h * pcap, hist + h * bins);
+                    out + h * out_stride, scores + h * pcap, cand + h * (pcap + CAND_SLACK), hist + h * bins);
     return 0;
 }
 

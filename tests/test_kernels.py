@@ -384,6 +384,26 @@ def test_the_byte_plane_scan_selects_what_the_folded_scan_selects(group, words, 
 
 
 @needs_planes
+def test_the_byte_plane_scan_selects_right_where_an_even_sample_of_the_scores_misleads():
+    """Every 9th token of the middle (where an even sample of ~4,096 scores falls) holds the query's own
+    code and the others random ones: the sample sees only top scores, so the bound it sets passes fewer
+    tokens than are retrieved, and the scan must fall back to every token and still pick exactly."""
+    rng = np.random.default_rng(9)
+    n, budget = 40_000, 10_000
+    layout = kernels.selection_layout(n, budget, SINKS, 256)
+    q = rng.integers(0, 2**64, size=(1, 2, 2), dtype=np.uint64)  # (R, H, W): one query per KV head
+    _, k = random_codes(rng, 2, 1, 2, n)
+    stride = (layout.window_start - layout.sinks_end) // 4096
+    for h in range(2):
+        k[h, :, layout.sinks_end : layout.window_start : stride] = q[0, h][:, None]
+    planes = np.zeros((2, 16, n), np.uint8)
+    kernels.write_planes(k, 0, n, planes)
+    bounds = [layout.sinks_end, layout.window_start]
+    got = kernels.planes_select_blocks(q, planes, n, bounds, budget, SINKS, 256)
+    np.testing.assert_array_equal(got, ref_select_fast(ref_scores_blocks(q, k, n, bounds), budget, SINKS, 256))
+
+
+@needs_planes
 def test_byte_planes_hold_byte_j_of_every_code_in_row_j():
     rng = np.random.default_rng(3)
     _, k = random_codes(rng, 3, 1, 2, 700)
