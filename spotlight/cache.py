@@ -325,9 +325,3 @@ class KVCache:
         v = self.v[:, :, start:end].to("cpu", copy=True)  # (L, Hkv, T, D)
         codes = None if self.key_codes is None else self.key_codes.host(start, end)  # (L, Hkv, W, T)
         return k, v, codes
-
-    def nbytes(self) -> int:
-        """Bytes of the cached tokens (K, V and codes), not of the capacity."""
-        per_token = 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * self.k.element_size()
-        per_token += self.args.n_layers * self.args.n_kv_heads * self.code_words * 8
-        return per_token * self.length

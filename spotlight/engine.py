@@ -45,8 +45,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _INITIAL_CAPACITY = 1024  # tokens; the cache grows geometrically beyond this
 _POOL_TOKENS_MAX = 16384  # the default buffer pool covers the model's window up to this many tokens (see _pool_tokens)
 _WARM_UP_TOKENS = 2  # tokens decoded by warm_up: the first runs the decode path once
-# Until cached rows live outside RAM (issue #21, Build 3) one conversation's K/V rows must fit in
-# memory: past the window they may take at most this share of the machine's physical RAM.
+# Until cached rows live outside RAM (issue #21, Build 3) one conversation's K/V rows, key codes and
+# byte planes must fit in memory: past the window they may take at most this share of the machine's
+# physical RAM.
 KV_MEMORY_SHARE = 0.5
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # shipped encoder checkpoints
 log = logging.getLogger("spotlight")
@@ -197,14 +198,26 @@ class Engine:
         return self.kv_bytes_per_token + codes
 
     @property
+    def memory_bytes_per_token(self) -> int:
+        """Bytes one cached token holds in RAM: its K/V rows and, with Spotlight, its key codes, which
+        a host cache also keeps as byte planes for the far scan (kernels/planes.py): their bytes twice."""
+        if self.spotlight is None:
+            return self.kv_bytes_per_token
+        codes = self.args.n_layers * self.args.n_kv_heads * self.spotlight.bits // 8
+        planes = self.config.device == "cpu" and kernels.planes_fit(
+            self.args.n_heads, self.args.n_kv_heads, kernels.words_for(self.spotlight.bits))
+        return self.kv_bytes_per_token + codes * (2 if planes else 1)
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """How the cache stores K/V rows (EngineConfig.kv_dtype: float16 on the CPU by default)."""
         return kv_dtype(self.config, self.model)
 
     @property
     def memory_tokens(self) -> int:
-        """The most tokens whose K/V rows fit in KV_MEMORY_SHARE of this machine's physical RAM."""
-        return int(KV_MEMORY_SHARE * physical_memory_bytes()) // self.kv_bytes_per_token
+        """The most tokens whose cached rows (memory_bytes_per_token) fit in KV_MEMORY_SHARE of this
+        machine's physical RAM."""
+        return int(KV_MEMORY_SHARE * physical_memory_bytes()) // self.memory_bytes_per_token
 
     @property
     def memory_bound(self) -> bool:

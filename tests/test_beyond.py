@@ -316,13 +316,18 @@ def test_engine_reads_past_its_window_with_spotlight_and_refuses_without():
 
 
 def test_a_conversation_past_the_window_is_capped_by_what_memory_holds():
-    """Until cached rows live outside RAM, the K/V rows of one conversation must fit in
-    KV_MEMORY_SHARE of the machine's memory; the refusal says that memory is the limit."""
+    """Until cached rows live outside RAM, the K/V rows of one conversation, its key codes and their
+    byte planes (the far scan's copy, where scan.c is built) must fit in KV_MEMORY_SHARE of the
+    machine's memory; the refusal says that memory is the limit."""
     engine = tiny_engine(spotlight=True, max_seq_len=512)
     args = engine.args
     assert engine.kv_bytes_per_token == 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2  # fp16 K and V (auto)
+    codes = args.n_layers * args.n_kv_heads * engine.spotlight.bits // 8
+    planes = codes if kernels.planes_fit(args.n_heads, args.n_kv_heads, engine.policy.code_words) else 0
+    assert engine.memory_bytes_per_token == engine.kv_bytes_per_token + codes + planes
+    assert engine.with_spotlight(SpotlightConfig(enabled=False)).memory_bytes_per_token == engine.kv_bytes_per_token
     assert (engine.memory_tokens, engine.memory_bound) == (
-        int(KV_MEMORY_SHARE * physical_memory_bytes()) // engine.kv_bytes_per_token, False)
+        int(KV_MEMORY_SHARE * physical_memory_bytes()) // engine.memory_bytes_per_token, False)
     huge = engine.with_spotlight(dataclasses.replace(engine.spotlight, max_context=10 * engine.memory_tokens))
     assert (huge.max_context, huge.memory_bound) == (engine.memory_tokens, True)
     with pytest.raises(ContextTooLong) as refused:
