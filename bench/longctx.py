@@ -329,19 +329,23 @@ def main(argv=None) -> dict:
     given = (f" --model {args.model}" if other else "") + (f" --lengths {args.lengths}" if args.lengths else "") \
         + (" --full" if args.full and not args.lengths else "") \
         + (f" --methods {args.methods}" if methods != METHODS else "")
-    name, title = section(args.model if other else None, lengths)
+    name, title = section(args.model if other else None, lengths, methods)
     return finish(name, args, rows, targets, title=title, notes=notes, command="longctx" + given)
 
 
-def section(model: str | None, lengths: list[int]) -> tuple[str, str]:
-    """(RESULTS.md section key, title) of a run: another model's run, and a run past 128K (--full),
-    each write a section of their own, a run past 128K one per longest length (a 256K run does not
-    replace a 512K one, nor either the 16K-128K one)."""
+def section(model: str | None, lengths: list[int], methods: tuple[str, ...] = METHODS) -> tuple[str, str]:
+    """(RESULTS.md section key, title) of a run: another model's run, a run past 128K (--full) and a
+    run of fewer methods each write a section of their own, a run past 128K one per longest length
+    (a 256K run does not replace a 512K one, nor either the 16K-128K one), and a Spotlight-only run
+    does not replace the side-by-side one."""
     name, title = "longctx", "Long context: needles and speed past the window (issue #21)"
     if model is not None:
         name, title = f"{name}-{Path(model).name}", f"{title}: {Path(model).name}"
     if max(lengths) > LONGEST_DEFAULT:
         name, title = f"{name}-{max(lengths) // 1024}k", f"{title}, up to {max(lengths):,} tokens"
+    if set(methods) != set(METHODS):
+        measured = [m for m in METHODS if m in methods and m != "dense in window"]
+        name, title = f"{name}-{'-'.join(m.replace('+', '-') for m in measured)}", f"{title}, {', '.join(measured)} only"
     return name, title
 
 

@@ -141,7 +141,7 @@ def test_needle_target_counts_only_the_needles_dense_finds():
         "needles dense finds within the window, found at 65,536 (2 of 3)", 2 / 3, 0.95)
 
 
-def test_runs_past_128k_and_other_models_write_sections_of_their_own():
+def test_runs_past_128k_other_models_and_fewer_methods_write_sections_of_their_own():
     from bench.longctx import DEFAULT, FULL, QUICK, section
     assert (QUICK["lengths"], DEFAULT["lengths"], FULL["lengths"]) == (
         [16_384, 32_768], [16_384, 32_768, 65_536, 131_072], [16_384, 32_768, 65_536, 131_072, 262_144, 524_288])
@@ -155,6 +155,14 @@ def test_runs_past_128k_and_other_models_write_sections_of_their_own():
         ("longctx-qwen2.5-coder-0.5b-instruct-256k",
          "Long context: needles and speed past the window (issue #21): qwen2.5-coder-0.5b-instruct, "
          "up to 262,144 tokens")]
+    assert [section("qwen2.5-coder-0.5b-instruct", [131_072], ("spotlight", "dense in window")),
+            section(None, [16_384], ("spotlight", "sinks+window", "dense in window")),
+            section(None, [16_384], ("spotlight", "sinks+window", "truncated", "dense in window"))] == [
+        ("longctx-qwen2.5-coder-0.5b-instruct-spotlight",
+         "Long context: needles and speed past the window (issue #21): qwen2.5-coder-0.5b-instruct, spotlight only"),
+        ("longctx-spotlight-sinks-window",
+         "Long context: needles and speed past the window (issue #21), spotlight, sinks+window only"),
+        ("longctx", "Long context: needles and speed past the window (issue #21)")]
 
 
 def test_a_haystack_longer_than_the_essays_reads_them_again_from_the_start():
