@@ -59,6 +59,8 @@ class PlaneScratch:
         self.scores = np.empty((kv_heads, capacity), np.int16)
         self.candidates = np.empty((kv_heads, capacity + CAND_SLACK), np.int32)  # collect stores eight at a time
         self.hist = np.empty((kv_heads, (heads // kv_heads) * 64 * words + 1), np.int64)
+        # taken once: .ctypes.data costs ~1 us, and a far decode step calls the scan once per layer
+        self.addresses = (self.scores.ctypes.data, self.candidates.ctypes.data, self.hist.ctypes.data)
 
     def fits(self, heads: int, planes: np.ndarray) -> bool:
         """Whether it was made for H = heads query heads over these planes (Hkv, 8 W, Pcap)."""
@@ -90,12 +92,13 @@ def planes_select_blocks(q_codes, planes: np.ndarray, n: int, bounds, k: int, si
         return dest
     if scratch is None or not scratch.fits(heads, planes):
         scratch = PlaneScratch(heads, hkv, words8, capacity)
-    # the middle as the blocks' bounds clipped to it (a block may reach into the sinks or the window)
-    middle = np.clip(b, layout.sinks_end, layout.window_start)
+    # the middle as the blocks' bounds clipped to it (a block may reach into the sinks or the window;
+    # select_far's bounds are the middle's own, and np.clip costs ~5 us)
+    inside = int(b[0]) >= layout.sinks_end and int(b[-1]) <= layout.window_start
+    middle = b if inside else np.clip(b, layout.sinks_end, layout.window_start)
     status = _NATIVE.planes_select(q.ctypes.data, len(q), heads, words, middle.ctypes.data, planes.ctypes.data, hkv,
-                                   capacity, layout.retrieved, dest[:, layout.sinks_end :].ctypes.data,
-                                   dest.shape[1], scratch.scores.ctypes.data, scratch.candidates.ctypes.data,
-                                   scratch.hist.ctypes.data, threads())
+                                   capacity, layout.retrieved, dest.ctypes.data + dest.itemsize * layout.sinks_end,
+                                   dest.shape[1], *scratch.addresses, threads())
     if status:
         raise ValueError(f"kernels/scan.c refused q_codes {q.shape}, bounds {b.tolist()} and {layout}")
     _fill_forced(dest, *layout)

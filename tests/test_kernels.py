@@ -384,6 +384,20 @@ def test_the_byte_plane_scan_selects_what_the_folded_scan_selects(group, words, 
 
 
 @needs_planes
+def test_the_byte_plane_scan_takes_blocks_that_reach_into_the_sinks_and_the_window():
+    """Bounds from 0 to n (blocks reaching past the middle at both ends) select what the folded scan does."""
+    rng = np.random.default_rng(12)
+    n, budget = 3000, 300
+    _, k = random_codes(rng, 2, 7, 2, n)
+    q = rng.integers(0, 2**64, size=(3, 14, 2), dtype=np.uint64)  # (R, H, W)
+    bounds = [0, 1000, 2500, n]
+    planes = np.zeros((2, 16, n), np.uint8)
+    kernels.write_planes(k, 0, n, planes)
+    got = kernels.planes_select_blocks(q, planes, n, bounds, budget, SINKS, 256)
+    np.testing.assert_array_equal(got, kernels.score_select_blocks(q, k, n, bounds, budget, SINKS, 256))
+
+
+@needs_planes
 def test_the_byte_plane_scan_selects_right_where_an_even_sample_of_the_scores_misleads():
     """Every 9th token of the middle (where an even sample of ~4,096 scores falls) holds the query's own
     code and the others random ones: the sample sees only top scores, so the bound it sets passes fewer
