@@ -54,33 +54,40 @@ static void add_products(float *acc, const float *a, int64_t count, const float 
 }
 
 /* add_products for QUAD inputs at once (acc + j * acc_step, a + j * a_step for input j): each
-   weight load feeds all four, strips of 32 columns in 16 accumulators; every sum in the same
-   order as add_products (the same bits). */
+   weight load feeds all four, strips of 24 columns in 12 accumulators (then 16, then add_products'
+   8): twelve independent FMA chains keep both FMA units busy, and 12 accumulators and a broadcast
+   fit AVX2's 16 registers (with strips of 32 the compiler spilled accumulators to the stack inside
+   the loop; docs/DECISIONS.md, "The encoder's four-input products"); every sum in the same order as
+   add_products (the same bits). */
+#define STRIP4(WIDTH)                                                                                       \
+    for (; c0 + 8 * (WIDTH) <= n; c0 += 8 * (WIDTH)) {                                                  \
+        __m256 s[QUAD][WIDTH];                                                                          \
+        for (int j = 0; j < QUAD; j++)                                                                  \
+            for (int i = 0; i < (WIDTH); i++) s[j][i] = _mm256_loadu_ps(acc + j * acc_step + c0 + 8 * i); \
+        for (int64_t k = 0; k < count; k++) {                                                           \
+            const float *row = m + k * n + c0;                                                          \
+            __m256 w[WIDTH];                                                                            \
+            for (int i = 0; i < (WIDTH); i++) {                                                         \
+                w[i] = _mm256_loadu_ps(row + 8 * i);                                                    \
+                __asm__("" : "+x"(w[i])); /* held in a register: loaded once, not once per input */     \
+            }                                                                                           \
+            for (int j = 0; j < QUAD; j++) {                                                            \
+                __m256 ak = _mm256_set1_ps(a[j * a_step + k]);                                          \
+                for (int i = 0; i < (WIDTH); i++) s[j][i] = _mm256_fmadd_ps(ak, w[i], s[j][i]);        \
+            }                                                                                           \
+        }                                                                                               \
+        for (int j = 0; j < QUAD; j++)                                                                  \
+            for (int i = 0; i < (WIDTH); i++) _mm256_storeu_ps(acc + j * acc_step + c0 + 8 * i, s[j][i]); \
+    }
 static void add_products4(float *acc, int64_t acc_step, const float *a, int64_t a_step, int64_t count,
                           const float *m, int64_t n) {
     int64_t c0 = 0;
-    for (; c0 + 32 <= n; c0 += 32) {
-        __m256 s[QUAD][4];
-        for (int j = 0; j < QUAD; j++)
-            for (int i = 0; i < 4; i++) s[j][i] = _mm256_loadu_ps(acc + j * acc_step + c0 + 8 * i);
-        for (int64_t k = 0; k < count; k++) {
-            const float *row = m + k * n + c0;
-            __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
-            __m256 w2 = _mm256_loadu_ps(row + 16), w3 = _mm256_loadu_ps(row + 24);
-            for (int j = 0; j < QUAD; j++) {
-                __m256 ak = _mm256_set1_ps(a[j * a_step + k]);
-                s[j][0] = _mm256_fmadd_ps(ak, w0, s[j][0]);
-                s[j][1] = _mm256_fmadd_ps(ak, w1, s[j][1]);
-                s[j][2] = _mm256_fmadd_ps(ak, w2, s[j][2]);
-                s[j][3] = _mm256_fmadd_ps(ak, w3, s[j][3]);
-            }
-        }
-        for (int j = 0; j < QUAD; j++)
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc + j * acc_step + c0 + 8 * i, s[j][i]);
-    }
+    STRIP4(3)
+    STRIP4(2)
     if (c0 < n)
         for (int j = 0; j < QUAD; j++) add_products(acc + j * acc_step + c0, a + j * a_step, count, m + c0, n, n - c0);
 }
+#undef STRIP4
 
 /* z[0:n] <- silu(z) = z / (1 + 2^(-z log2 e)), the exponent clamped to [-126, 126] (as encode.py's _silu). */
 static void silu(float *z, int64_t n) {
@@ -117,10 +124,8 @@ int encode_many(const float *x, int64_t x_step, const float *cos, const float *s
             const float *xs = x + (b0 + j) * x_step + r * dim;
             if (cos != NULL) {  /* x * cos - rotate_half(x) * sin, rotate_half(x) = (-x2, x1) */
                 const float *c = cos + (b0 + j) * dim, *s = sin + (b0 + j) * dim;
-                for (int64_t i = 0; i < dim; i++) {
-                    float other = i < half ? -xs[i + half] : xs[i - half];
-                    y[j][i] = xs[i] * c[i] - other * s[i];
-                }
+                for (int64_t i = 0; i < half; i++) y[j][i] = xs[i] * c[i] - (-xs[i + half]) * s[i];  /* vectorised: */
+                for (int64_t i = half; i < dim; i++) y[j][i] = xs[i] * c[i] - xs[i - half] * s[i];  /* no branch */
             } else {
                 memcpy(y[j], xs, sizeof(float) * (size_t)dim);
             }
