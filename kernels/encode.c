@@ -10,12 +10,13 @@
 
    With cos and sin (B, D), input b of row r is q[r] turned by table row b as
    positions.Rotations.turn_back computes it (x * cos - rotate_half(x) * sin, the same fp32
-   operations: bit-identical), so past the model's window the 32 x 14 turned-back queries of a
-   decode step (select_far) are formed and coded in one call.
+   operations: bit-identical), so past the model's window a decode step's turned-back queries
+   (select_far: one per fold block and query head, 16 x 14 at 131K) are formed and coded in one call.
 
    Why: numpy's stacked matrix products ran 3 x 14 small BLAS calls per layer (~0.28 ms for
-   Qwen2.5's 32 x 14 inputs, 0.07 ms more to turn them in torch); here each input's three products
-   run from L1 with eight accumulators per 64 columns, spread over OpenMP threads by row.
+   Qwen2.5's 32 x 14 inputs at the fold of 12-03, 0.07 ms more to turn them in torch); here the
+   three products run from L1, four inputs per weight load (add_products4), spread over OpenMP
+   threads by row.
 
    NOTE: the sums run in another order than BLAS's (and than torch's), so a bit whose h lies
    within float rounding of 0 can differ (kernels/encode.py's module note). */
