@@ -194,19 +194,20 @@ class Engine:
     def stored_bytes_per_token(self) -> int:
         """Bytes one cached token takes in a span file: its K/V rows and, with Spotlight, its key
         codes (a file's header and code summaries are a few KB per span on top)."""
-        codes = 0 if self.spotlight is None else self.args.n_layers * self.args.n_kv_heads * self.spotlight.bits // 8
-        return self.kv_bytes_per_token + codes
+        return self.kv_bytes_per_token + self.code_bytes_per_token
+
+    @property
+    def code_bytes_per_token(self) -> int:
+        """Bytes of one cached token's key codes (every layer and KV head); 0 without Spotlight."""
+        return 0 if self.spotlight is None else self.args.n_layers * self.args.n_kv_heads * self.spotlight.bits // 8
 
     @property
     def memory_bytes_per_token(self) -> int:
         """Bytes one cached token holds in RAM: its K/V rows and, with Spotlight, its key codes, which
         a host cache also keeps as byte planes for the far scan (kernels/planes.py): their bytes twice."""
-        if self.spotlight is None:
-            return self.kv_bytes_per_token
-        codes = self.args.n_layers * self.args.n_kv_heads * self.spotlight.bits // 8
-        planes = self.config.device == "cpu" and kernels.planes_fit(
+        planes = self.spotlight is not None and self.config.device == "cpu" and kernels.planes_fit(
             self.args.n_heads, self.args.n_kv_heads, kernels.words_for(self.spotlight.bits))
-        return self.kv_bytes_per_token + codes * (2 if planes else 1)
+        return self.stored_bytes_per_token + (self.code_bytes_per_token if planes else 0)
 
     @property
     def kv_dtype(self) -> torch.dtype:
