@@ -5,7 +5,7 @@ h, Hugging Face order), r code bits, W = ceil(r / 64) uint64 words, N code-buffe
 valid tokens, T new tokens, K selected tokens per KV head, D head dim.
 
 The backend follows the arguments: numpy arrays and CPU torch tensors run on the CPU backend
-(kernels/cpu.py: numba when installed, else numpy) and return numpy arrays (wrap them with
+(kernels/cpu.py: numba when installed, loaded at its first use, else numpy) and return numpy arrays (wrap them with
 `torch.from_numpy`, or pass torch tensors as `out=` and keep using those); CuPy arrays and CUDA
 torch tensors run on kernels/cuda.py and return CuPy arrays. `use_backend(name)` forces one
 ("cpu", "numpy" or "cuda"), for tests and benchmarks. Both backends give bit-identical integer
@@ -19,7 +19,13 @@ selection over each head's token ranges, runs on both backends (CUDA: kernels/re
 `range_scores`, compile-checked only so far); the host-side span table's helpers
 (`bit_counts`, `span_scores`, `pick_ranges`) are CPU only. The folded scan past the window also
 runs on byte planes of the codes (kernels/planes.py over kernels/scan.c, AVX2; CPU only):
-`write_planes`, `planes_select_blocks` (score_select_blocks' result), where `planes_fit`.
+`write_planes`, `planes_select_blocks` (score_select_blocks' result), where `planes_fit`; the
+engine's flat scan inside the window reads them too.
+
+numba: each module's JIT kernels sit in a sibling module (cpu_jit, ranges_jit, attend_jit,
+encode_jit, linear_jit, quant_cpu) imported by the module's `jitted()` at the first call that
+runs one. Importing this package, or running the engine's CPU path where kernels/_quant.so is
+built, never imports numba (tests/test_engine.py checks a whole conversation).
 
 CPU threads: `set_threads(n)` (default 1, measured in kernels/cpu.py). Importing this package
 never imports cupy; the CUDA backend raises `CudaUnavailable` when asked for without a usable

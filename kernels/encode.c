@@ -174,3 +174,12 @@ int encode_many(const float *x, int64_t x_step, const float *cos, const float *s
 }
 int encode_available(void) { return 0; }
 #endif
+
+/* encode_many for one input per MLP (a decode step's query or key codes: MlpCoder.__call__), its geometry
+   read from spec (int64: R, D, F, C, S, depth, then the addresses of w1, b1, w2 and w_out), made once per
+   coder: ctypes converts every argument of a call (~0.15 us apiece), and encode_many takes 17. */
+int encode_rows(const int64_t *spec, const float *x, uint64_t *out, int threads) {
+    return encode_many(x, 0, NULL, NULL, 1, spec[0], spec[1], spec[2], spec[3], (const float *)(intptr_t)spec[6],
+                       (const float *)(intptr_t)spec[7], (const float *)(intptr_t)spec[8],
+                       (const float *)(intptr_t)spec[9], spec[4], spec[5], out, threads);
+}

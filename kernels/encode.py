@@ -9,7 +9,8 @@ The encoder of each row (spotlight/hashing.py `HeadMLP`) is
     y = x;  for each of `depth` blocks: y = y + silu(y @ w1 + b1) @ w2;   h = y @ w_out
 
 and its code is the bits h > 0, packed as kernels.pack packs them. torch runs it as ~10 small
-ops (~90 us per layer for 9 heads, plus ~25 us to pack); this runs it in ~15 us.
+ops (~90 us per layer for 9 heads, plus ~25 us to pack); kernels/encode.c runs it in ~14 us
+(numba's one-row kernel, kernels/encode_jit.py, is the fallback where encode.c is not built).
 
 NOTE: the sums run in another order than torch's, so a bit whose h lies within float rounding
 of 0 can differ from `pack(encoders.query_bits(...))` (about one bit in 10^6 of random inputs);
@@ -22,6 +23,7 @@ float rounding between the two paths.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -39,91 +41,17 @@ if C_ENCODE:
     _p, _i64 = ctypes.c_void_p, ctypes.c_int64
     _NATIVE.encode_many.argtypes = [_p, _i64, _p, _p] + [_i64] * 5 + [_p] * 4 + [_i64, _i64, _p, ctypes.c_int]
     _NATIVE.encode_many.restype = ctypes.c_int
+    if hasattr(_NATIVE, "encode_rows"):  # a library built before it codes one row through encode_many
+        _NATIVE.encode_rows.argtypes = [_p, _p, _p, ctypes.c_int]
+        _NATIVE.encode_rows.restype = ctypes.c_int
 
-if HAVE_NUMBA:
-    from numba import njit, prange
+@functools.cache
+def jitted():
+    """kernels/encode_jit.py, the numba kernels, imported at the first call that runs one (as
+    kernels/cpu.py's `jitted`): where encode.c is built, numba is never loaded for the codes."""
+    from . import encode_jit
 
-    from .attend_cpu import _exp2_parts
-
-    FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
-
-    @njit(fastmath=FASTMATH, cache=True, inline="always")
-    def _silu(z, out, power, scale_bits):
-        """out (F,) = silu(z) (F,) = z / (1 + exp(-z)) (out may be z); power, scale_bits (F,) scratch."""
-        for f in range(z.shape[0]):  # exp(-z) = 2^(-z log2 e) = power * 2^exponent, vectorised
-            t = min(max(-z[f] * LOG2E, np.float32(-126.0)), np.float32(126.0))
-            power[f], exponent = _exp2_parts(t)
-            scale_bits[f] = (exponent + 127) << 23
-        scale = scale_bits.view(np.float32)
-        for f in range(z.shape[0]):
-            out[f] = z[f] / (np.float32(1.0) + power[f] * scale[f])
-
-    @njit(fastmath=FASTMATH, cache=True, inline="always")
-    def _code_row(x, r, m, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
-        """out[r] = the packed signs of MLP m on row r; y (D,), z (F,), h (C,), power (F,), scale_bits (F,) scratch."""
-        dim, width, bits = x.shape[1], w1.shape[3], w_out.shape[2]
-        for d in range(dim):
-            y[d] = x[r, d]
-        for block in range(depth):
-            for f in range(width):
-                z[f] = b1[m, block, 0, f]
-            for d in range(dim):  # z += y[d] * w1[d, :], vectorised over F
-                yd = y[d]
-                for f in range(width):
-                    z[f] += yd * w1[m, block, d, f]
-            _silu(z, z, power, scale_bits)
-            for f in range(width):
-                zf = z[f]
-                for d in range(dim):
-                    y[d] += zf * w2[m, block, f, d]
-        for c in range(bits):
-            h[c] = 0.0
-        for d in range(dim):
-            yd = y[d]
-            for c in range(bits):
-                h[c] += yd * w_out[m, d, c]
-        for w in range(out.shape[1]):
-            word = np.uint64(0)
-            for j in range(min(WORD_BITS, bits - WORD_BITS * w)):
-                if h[WORD_BITS * w + j] > 0:
-                    word |= np.uint64(1) << np.uint64(j)
-            out[r, w] = word
-
-    @njit(fastmath=FASTMATH, cache=True)
-    def _bias_silu(z, b1, block, act, power, scale_bits):
-        """z (R, B, F) += b1[:, block] (R, 1, F); act (R, B, F) = silu(z), as _code_row forms it
-        (power, scale_bits (R, B, F) scratch): one pass, where numpy's float32 exp alone took 2.6-3.6
-        ns a value on an AVX2 EPYC (numpy 2.4)."""
-        rows, batch, width = z.shape
-        for r in range(rows):
-            for b in range(batch):
-                for f in range(width):
-                    z[r, b, f] += b1[r, block, 0, f]
-        _silu(z.ravel(), act.ravel(), power.ravel(), scale_bits.ravel())
-
-    @njit(cache=True)
-    def _pack_turned(h, out):
-        """out[b, r] (B, R, W) = the packed signs of h[r, b] (R, B, C), kernels.pack's bit order."""
-        rows, batch, bits = h.shape
-        for r in range(rows):
-            for b in range(batch):
-                for w in range(out.shape[2]):
-                    word = np.uint64(0)
-                    for j in range(min(WORD_BITS, bits - WORD_BITS * w)):
-                        word |= np.uint64(h[r, b, WORD_BITS * w + j] > 0) << np.uint64(j)
-                    out[b, r, w] = word
-
-    @njit(fastmath=FASTMATH, cache=True)
-    def _mlp_codes(x, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
-        for r in range(x.shape[0]):
-            _code_row(x, r, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
-
-    @njit(fastmath=FASTMATH, cache=True, parallel=True)
-    def _mlp_codes_parallel(x, w1, b1, w2, w_out, depth, out, y, z, h, power, scale_bits):
-        """_mlp_codes with the rows spread over numba's threads (each row's sums in the same order:
-        bit-identical)."""
-        for r in prange(x.shape[0]):
-            _code_row(x, r, r, w1, b1, w2, w_out, depth, out, y[r], z[r], h[r], power[r], scale_bits[r])
+    return encode_jit
 
 
 class MlpCoder:
@@ -156,18 +84,35 @@ class MlpCoder:
         self._batch = None  # `many`'s buffers for B inputs per MLP, (R, B, ...) each
         # encode.c's pointers to the weights, taken once (views of the encoder's parameters, updated in place)
         self._addresses = tuple(w.ctypes.data for w in self.weights)
+        # encode_rows' spec (R, D, F, C, S, depth, the weights' addresses) and the last `out`'s address:
+        # `.ctypes.data` costs ~1.4 us, and a decode step codes one query and one key per layer
+        stacked = self.weights[0].shape[1]
+        self._spec = np.array([rows, dim, width, bits, stacked, depth, *self._addresses], np.int64)
+        self._spec_address = self._spec.ctypes.data
+        self._rows_native = (C_ENCODE and hasattr(_NATIVE, "encode_rows")
+                             and self.weights[0].shape[1] == self.weights[1].shape[1] == self.weights[2].shape[1])
+        self._out = (None, 0)  # (array, its address)
 
-    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """x: C-contiguous float32 (R, D) numpy; out: C-contiguous uint64 (R, W) numpy, written and returned."""
+    def __call__(self, x: np.ndarray, out: np.ndarray, *, native: bool = True) -> np.ndarray:
+        """x: C-contiguous float32 (R, D) numpy; out: C-contiguous uint64 (R, W) numpy, written and returned.
+
+        kernels/encode.c's `many` with one input per MLP where it is built (`native=False`: numba's
+        one-row kernel, the fallback; the same sums in another order, hence the module note).
+        """
         if x.shape != self.x_shape or x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError(f"x must be C-contiguous float32 {self.x_shape}, got {x.dtype} {x.shape}")
         if out.shape != self.shape or out.dtype != np.uint64 or not out.flags.c_contiguous:
             raise ValueError(f"out must be C-contiguous uint64 {self.shape}, got {out.dtype} {out.shape}")
+        if native and self._rows_native:
+            if self._out[0] is not out:
+                self._out = (out, out.ctypes.data)
+            if _NATIVE.encode_rows(self._spec_address, x.ctypes.data, self._out[1], threads()) == 0:
+                return out
         if HAVE_NUMBA and threads() > 1:
             _numba_threads()
-            _mlp_codes_parallel(x, *self.weights, self.depth, out, *self.scratch)
+            jitted()._mlp_codes_parallel(x, *self.weights, self.depth, out, *self.scratch)
         elif HAVE_NUMBA:
-            _mlp_codes(x, *self.weights, self.depth, out, *self.scratch)
+            jitted()._mlp_codes(x, *self.weights, self.depth, out, *self.scratch)
         else:
             out[...] = _reference(x, *self.weights, self.depth)
         return out
@@ -249,7 +194,7 @@ class MlpCoder:
         for block in range(self.depth):
             np.matmul(y, w1[:, block], out=z)  # (R, B, F); each (D, F) slice is contiguous: BLAS
             if HAVE_NUMBA:
-                _bias_silu(z, b1, block, act, power, scale_bits)
+                jitted()._bias_silu(z, b1, block, act, power, scale_bits)
             else:
                 z += b1[:, block]
                 np.negative(z, out=act)
@@ -260,7 +205,7 @@ class MlpCoder:
             y += np.matmul(act, w2[:, block], out=dy)  # (R, B, D)
         np.matmul(y, w_out, out=h)  # (R, B, C)
         if HAVE_NUMBA:
-            _pack_turned(h, out)
+            jitted()._pack_turned(h, out)
             return out
         pack(h, out=codes)  # (R, B, W)
         np.copyto(out, codes.transpose(1, 0, 2))

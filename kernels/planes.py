@@ -15,7 +15,7 @@ import ctypes
 
 import numpy as np
 
-from .cpu import _fill_all, _fill_forced, as_codes, check_cover, result, selection_layout, threads
+from .cpu import _fill_all, as_codes, check_cover, fill_forced, result, selection_layout, threads
 from .quant import _LIB as _NATIVE  # the one compiled library of the CPU kernels
 
 C_PLANES = bool(_NATIVE is not None and hasattr(_NATIVE, "planes_available") and _NATIVE.planes_available())
@@ -101,7 +101,7 @@ def planes_select_blocks(q_codes, planes: np.ndarray, n: int, bounds, k: int, si
                                    dest.shape[1], *scratch.addresses, threads())
     if status:
         raise ValueError(f"kernels/scan.c refused q_codes {q.shape}, bounds {b.tolist()} and {layout}")
-    _fill_forced(dest, *layout)
+    fill_forced(dest, layout)
     return dest
 
 

@@ -21,17 +21,36 @@ is built and has the format, else the numba kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .cpu import HAVE_NUMBA, _numba_threads, as_numpy, threads
-from .quant_cpu import (HALF, HALF_TO_FLOAT, K_SUB, KIND_Q4_0, KIND_Q4_1, KIND_Q4_K, KIND_Q5_0, KIND_Q5_1,
-                        KIND_Q5_K, KIND_Q6_K, KIND_Q8_0, Q6_SUB, QK, QK_K, SCALE_BYTES_K)
 
-if HAVE_NUMBA:
-    from .quant_cpu import _dequantize_parallel, _dequantize_serial, _matvec_parallel, _matvec_serial
+# The ggml block geometry (layouts: kernels/quant_cpu.py's docstring).
+QK = 32  # QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0: values per block of the legacy ggml types
+QK_K = 256  # values per super-block of the k-quants (Q4_K, Q5_K, Q6_K)
+HALF = QK // 2  # Q4/Q5 nibble groups: bytes of nibbles per block
+K_SUB = 32  # Q4_K / Q5_K sub-block length
+Q6_SUB = 16  # Q6_K sub-block length
+SCALE_BYTES_K = 12  # Q4_K / Q5_K packed 6-bit scales and mins
+# kernel ids (QuantFormat.kind), the branch each format takes in _row_dot / _row_dequantize
+KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K = range(8)
+NIBBLES_AT = (2, 4, 6, 8)  # byte of the first nibble in a Q4_0 / Q4_1 / Q5_0 / Q5_1 block (by kind)
+
+# fp16 bits -> fp32, exactly numpy's conversion (the one gguf.quants uses); 256 KB, L2-resident.
+HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@functools.cache
+def jitted():
+    """kernels/quant_cpu.py, the numba kernels, imported at the first call that runs one (as
+    kernels/cpu.py's `jitted`): where quant.c has the format, numba is never loaded."""
+    from . import quant_cpu
+
+    return quant_cpu
 
 
 class UnsupportedQuantType(ValueError):
@@ -184,9 +203,9 @@ def matvec(qm: QuantMatrix, x, out, bias=None) -> np.ndarray:
     xg = xs.reshape(qm.cols // fmt.group, fmt.group)  # (U, L)
     blocks = _block_view(qm, 0, qm.rows)  # (F, S, R)
     if threads() > 1:  # kernels.set_threads(n): the rows split over n threads
-        _matvec_parallel(fmt.kind, HALF_TO_FLOAT, blocks, xg, b, has_bias, dest, _numba_threads())
+        jitted()._matvec_parallel(fmt.kind, HALF_TO_FLOAT, blocks, xg, b, has_bias, dest, _numba_threads())
     else:
-        _matvec_serial(fmt.kind, HALF_TO_FLOAT, blocks, xg, b, has_bias, dest)
+        jitted()._matvec_serial(fmt.kind, HALF_TO_FLOAT, blocks, xg, b, has_bias, dest)
     return dest
 
 
@@ -222,7 +241,7 @@ def dequantize_into(qm: QuantMatrix, out, row_start: int = 0, row_end: int | Non
         dest[...] = gguf.quants.dequantize(qm.blocks[row_start:row_end], gguf.GGMLQuantizationType[fmt.name])
         return dest
     dg = dest.reshape(want[0], qm.cols // fmt.group, fmt.group)  # (F', U, L)
-    kernel = _dequantize_parallel if threads() > 1 and _numba_threads() > 1 else _dequantize_serial
+    kernel = jitted()._dequantize_parallel if threads() > 1 and _numba_threads() > 1 else jitted()._dequantize_serial
     kernel(fmt.kind, HALF_TO_FLOAT, _block_view(qm, row_start, row_end), dg)
     return dest
 

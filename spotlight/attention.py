@@ -427,16 +427,28 @@ class CodeSelector:
         q_codes = self._far_codes(layer, q, *self._far_turn(blocks, fold, rotations, q.device))  # (R, H, W)
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes[0], k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
-        if cache.key_codes.on_host and kernels.planes_fit(q_codes.shape[1], k_codes.shape[0], k_codes.shape[1]):
-            # the same selection from the codes' byte planes: the scan alone 1.3x faster on AVX2 at 131K (docs/DECISIONS.md)
-            planes = cache.key_codes.planes(layer, layout.window_start)  # (Hkv, 8 W, Ncap)
-            if self._plane_scratch is None or not self._plane_scratch.fits(q_codes.shape[1], planes):
-                self._plane_scratch = kernels.PlaneScratch(q_codes.shape[1], *planes.shape)
-            return kernels.planes_select_blocks(q_codes, planes, n, bounds, retrieved, sinks, window, out=out,
-                                                scratch=self._plane_scratch)
+        if self._on_planes(q_codes[0], cache, layer):
+            return self._planes_select(q_codes, cache, layer, n, bounds, retrieved, sinks, window, out)
         kernels.score_select_blocks(q_codes, k_codes, n, bounds, retrieved, sinks, window, out=out,
                                     scratch=self._scratch)
         return out  # as _scan: numpy on the CPU, a torch view of the device buffer on a GPU (not a CuPy array)
+
+    @staticmethod
+    def _on_planes(q_codes, cache, layer: int) -> bool:
+        """Whether the scan reads this cache's byte planes (kernels/scan.c: host codes, a geometry it takes)."""
+        k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
+        return cache.key_codes.on_host and kernels.planes_fit(q_codes.shape[0], k_codes.shape[0], k_codes.shape[1])
+
+    def _planes_select(self, q_codes, cache, layer, n, bounds, retrieved, sinks, window, out):
+        """score_select_blocks' selection from the codes' byte planes (kernels/scan.c), into out (Hkv, K).
+
+        Why: the scan alone 1.3x faster on AVX2 at 131K than numba's word-major one, and a process whose
+        scans all run here never imports numba (~54 MiB; docs/DECISIONS.md, "numba off the default path")."""
+        planes = cache.key_codes.planes(layer, kernels.selection_layout(n, retrieved, sinks, window).window_start)
+        if self._plane_scratch is None or not self._plane_scratch.fits(q_codes.shape[1], planes):
+            self._plane_scratch = kernels.PlaneScratch(q_codes.shape[1], *planes.shape)  # planes (Hkv, 8 W, Ncap)
+        return kernels.planes_select_blocks(q_codes, planes, n, bounds, retrieved, sinks, window, out=out,
+                                            scratch=self._plane_scratch)
 
     def _far_turn(self, blocks: int, fold: int, rotations: Rotations, device):
         """((cos, sin) (R, 1, 1, D) turning queries back by (R - 1 - r) * fold for block r, and their (R, D)
@@ -480,6 +492,10 @@ class CodeSelector:
         """The flat scan for query codes (H, W) over the first n key codes of `layer`."""
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
+        if self._on_planes(q_codes, cache, layer):  # one block: the middle's own bounds
+            layout = kernels.selection_layout(n, retrieved, sinks, window)
+            bounds = np.array([layout.sinks_end, layout.window_start], np.int64)
+            return self._planes_select(q_codes[None], cache, layer, n, bounds, retrieved, sinks, window, out)
         kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
         return out  # numpy on the CPU, a torch view of the device buffer on a GPU
 

@@ -114,6 +114,27 @@ def test_folded_selection_scores_each_block_by_the_query_turned_back_by_its_dist
         np.testing.assert_array_equal(got, kernels.select(scores, 16, 4, 16))
 
 
+def test_selection_inside_the_window_is_the_flat_scan_of_the_codes():
+    """CodeSelector.select (a decode step) and select_chunk (a prefill chunk) inside the window read
+    the codes' byte planes where kernels/scan.c takes the geometry (so numba is not loaded), and
+    select what the flat scan's scores select over the same codes."""
+    model = tiny_model()
+    policy = spotlight(model)
+    _, _, cache = run(model, policy, PROMPT, STEPS[:1])
+    n, selector = cache.length, policy.selector
+    assert selector._on_planes(np.zeros((model.args.n_heads, 1), np.uint64), cache, 0) == kernels.planes_fit(
+        model.args.n_heads, model.args.n_kv_heads, 1)
+    q = torch.randn(model.args.n_heads, 1, model.args.head_dim)  # (H, 1, D)
+    chunk = torch.randn(model.args.n_heads, 5, model.args.head_dim)  # (H, T, D)
+    for layer in range(model.args.n_layers):
+        got = np.array(selector.select(layer, q, cache, n, 16, 4, 16))  # (Hkv, K): a copy of the reused buffer
+        scores = kernels.scores(np.array(selector.query_codes(layer, q)), cache.codes[layer], n)
+        np.testing.assert_array_equal(got, kernels.select(scores, 16, 4, 16))
+        got = np.array(selector.select_chunk(layer, chunk, cache, n, 16, 4, 16, two_level=False))
+        scores = kernels.scores(np.array(selector.chunk_codes(layer, chunk)), cache.codes[layer], n)
+        np.testing.assert_array_equal(got, kernels.select(scores, 16, 4, 16))
+
+
 @pytest.mark.skipif(not kernels.planes_fit(4, 2, 1), reason="kernels/scan.c not built (AVX2)")
 def test_the_codes_byte_planes_follow_the_cache_through_truncation_and_growth():
     """KeyCodes.planes (what the far scan reads) is written lazily up to the tokens asked for; a

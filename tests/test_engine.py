@@ -1,5 +1,8 @@
 """The engine's front door (issue #18): prefill, the Context row API, with_spotlight,
 fingerprints, observers and warm-up, on the tiny random engine of spotlight/testing.py."""
+import os
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 
@@ -7,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import ROOT
 from spotlight.testing import tiny_engine
 from spotlight import AttentionTally, Context, Fingerprints, KVRows, ReadMeter
 from spotlight.config import SamplingConfig, SpotlightConfig
@@ -348,3 +352,33 @@ def test_front_door_exports():
                                         "release_freed_memory"])
     with pytest.raises(AttributeError, match="no attribute 'Policy'"):
         spotlight.Policy
+
+
+def _compiled_kernels_built() -> bool:
+    from kernels import attend_cpu, encode, planes, quant
+
+    return planes.C_PLANES and encode.C_ENCODE and attend_cpu.C_ATTEND and quant.C_DEQUANTIZE
+
+
+@pytest.mark.skipif(not _compiled_kernels_built(), reason="the compiled CPU kernels are not built (make setup)")
+def test_a_spotlight_conversation_on_the_cpu_never_imports_numba():
+    """The app's CPU path runs the compiled kernels (kernels/_quant.so): the in-window scan and the
+    far scan on byte planes, the codes, attention, the quantized products, a stored span's summary.
+    numba (~54 MiB resident, issue #20) is loaded only by a fallback, so a Spotlight conversation
+    inside the window and past it, and the rows the cache sync stores, leave it unimported."""
+    from conftest import TEST_HOME, TEST_MODEL
+
+    code = ("import sys\nfrom pathlib import Path\nfrom bench.decode import essay_ids\n"
+            "from spotlight.config import EngineConfig, SamplingConfig, SpotlightConfig\n"
+            "from spotlight.engine import Engine\n"
+            "e = Engine.load(EngineConfig(model_path=sys.argv[1]), Path(sys.argv[2]), SpotlightConfig())\n"
+            "e.warm_up()\n"
+            "for n in (600, e.native_window + 300):\n"
+            "    ctx = e.new_context(n + 8)\n"
+            "    steps = list(e.stream(ctx, essay_ids(e.tokenizer, n), SamplingConfig(max_new_tokens=4)))\n"
+            "rows = ctx.rows(0, 1000)\n"
+            "print(len(ctx.tokens) > e.native_window, rows.code_summary.shape[0] == e.args.n_layers, "
+            "'numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, TEST_MODEL, str(TEST_HOME)], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    assert (out.returncode, out.stdout.strip().splitlines()[-1:]) == (0, ["True True False"]), out.stderr[-3000:]

@@ -274,14 +274,12 @@ def ref_select_fast(s: np.ndarray, k: int, sinks: int, window: int) -> np.ndarra
 def test_score_select_from_a_sampled_bound_equals_brute_force(backend, distinct, threads):
     """From a 16K-token middle and 2,048 selected tokens on, the scan starts from a bound sampled
     from the codes (kernels/cpu.py `_sample_bound`); the selection must not change."""
-    import numba
-
     n = cpu.SAMPLE_FROM + 3001
     q, k = random_codes(np.random.default_rng(distinct + threads), 3, 3, 2, n + 5, distinct)
     s = ref_scores(q, k, n)
     before = cpu.threads()
     try:
-        kernels.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS) if cpu.HAVE_NUMBA else 1)
+        kernels.set_threads(min(threads, cpu.most_threads()) if cpu.HAVE_NUMBA else 1)
         scratch = kernels.make_scratch(backend.put(q), backend.put(k))
         for budget in [cpu.SAMPLE_K, n // 10, n // 2, n - 300]:
             got = backend.get(kernels.score_select(backend.put(q), backend.put(k), n, budget, SINKS, 256,
@@ -312,8 +310,6 @@ def test_score_select_blocks_equals_brute_force_over_the_block_scores(backend, n
     """The fused folded scan (select_far's): each block's tokens scored with its own query codes,
     from a sampled bound on long middles (two sample runs per block); the selection is the
     brute-force one over those scores."""
-    import numba
-
     rng = np.random.default_rng(n + budget + threads)
     _, k = random_codes(rng, 2, 3, 2, n + 5)
     layout = kernels.selection_layout(n, budget, SINKS, 256)
@@ -321,7 +317,7 @@ def test_score_select_blocks_equals_brute_force_over_the_block_scores(backend, n
     bounds = blocks_of(layout, len(q))
     before = cpu.threads()
     try:
-        kernels.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS) if cpu.HAVE_NUMBA else 1)
+        kernels.set_threads(min(threads, cpu.most_threads()) if cpu.HAVE_NUMBA else 1)
         scratch = kernels.make_scratch(backend.put(q[0]), backend.put(k))
         got = backend.get(kernels.score_select_blocks(backend.put(q), backend.put(k), n, bounds, budget, SINKS, 256,
                                                       scratch=scratch))
@@ -740,25 +736,24 @@ def mlp_inputs(rng, rows=9, dim=64, width=48, bits=128, stacked=3):
 
 
 @pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
-def test_mlp_coder_on_two_threads_equals_one_thread_and_sees_weights_changed_in_place():
+@pytest.mark.parametrize("native", [True, False])  # kernels/encode.c where built; numba's one-row kernel
+def test_mlp_coder_on_two_threads_equals_one_thread_and_sees_weights_changed_in_place(native):
     """The rows are coded on two threads (each row's sums in the same order): the same bits; the
     coder views the weights, so a weight changed in place changes its codes."""
-    import numba
-
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("numba has one thread here")
+    if cpu.most_threads() < 2:
+        pytest.skip("one thread here")
     x, weights = mlp_inputs(np.random.default_rng(3))
     coder = kernels.MlpCoder(*weights, 2)
     before = cpu.threads()
     try:
         kernels.set_threads(1)
-        one = coder(x, np.empty((9, 2), np.uint64)).copy()
+        one = coder(x, np.empty((9, 2), np.uint64), native=native).copy()
         kernels.set_threads(2)
-        two = coder(x, np.empty((9, 2), np.uint64)).copy()
+        two = coder(x, np.empty((9, 2), np.uint64), native=native).copy()
         np.testing.assert_array_equal(two, one)
         np.testing.assert_array_equal(one, kernels.mlp_codes(x, *weights, 2))
         weights[3] *= -1  # w_out negated in place: every clear bit flips
-        flipped = coder(x, np.empty((9, 2), np.uint64))
+        flipped = coder(x, np.empty((9, 2), np.uint64), native=native)
         assert (flipped == ~one).mean() > 0.9
     finally:
         kernels.set_threads(before)
@@ -797,6 +792,7 @@ def test_mlp_coder_codes_many_inputs_per_row_as_fp64_and_one_call_each_do():
     got = coder.many(xs, np.empty((33, 9, 2), np.uint64))
     numpy_path = coder.many(xs, np.empty((33, 9, 2), np.uint64), native=False)
     one = np.stack([coder(x, np.empty((9, 2), np.uint64)).copy() for x in xs])  # (B, R, W)
+    one_numba = np.stack([coder(x, np.empty((9, 2), np.uint64), native=False).copy() for x in xs])
     h = _mlp_fp64(xs, *weights, 2)  # (B, R, C)
     clear = np.abs(h) > 1e-4 * np.abs(h).max()  # bits not within rounding of 0
     bits = lambda codes: np.unpackbits(codes.view(np.uint8), axis=-1, bitorder="little")[..., : h.shape[-1]]
@@ -805,6 +801,7 @@ def test_mlp_coder_codes_many_inputs_per_row_as_fp64_and_one_call_each_do():
     np.testing.assert_array_equal(bits(got)[clear], expected[clear])
     np.testing.assert_array_equal(bits(numpy_path)[clear], expected[clear])
     np.testing.assert_array_equal(bits(one)[clear], expected[clear])
+    np.testing.assert_array_equal(bits(one_numba)[clear], expected[clear])
     with pytest.raises(ValueError, match=r"x must be C-contiguous float32 \(B, 9, 64\)"):
         coder.many(xs[:, :4].copy(), np.empty((33, 4, 2), np.uint64))
 
@@ -885,11 +882,9 @@ def test_matvec_refuses_wrong_shapes_and_dtypes_with_what_it_needs(weight, bias,
 def test_linear_on_two_threads_equals_one_thread():
     """kernels.set_threads(2) splits the weight rows over two threads; every row is still summed
     by one thread in the same order."""
-    import numba
-
     from kernels.linear import linear
 
-    if numba.config.NUMBA_NUM_THREADS < 2:
+    if cpu.most_threads() < 2:
         pytest.skip("numba has one thread here")
     rng = np.random.default_rng(2)
     before = cpu.threads()

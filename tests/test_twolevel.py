@@ -121,6 +121,17 @@ def _numpy_pick(*args):
         ranges.HAVE_NUMBA = original
 
 
+def test_bit_counts_over_runs_longer_than_one_pass_add_every_tokens_bits():
+    """bit_counts (numpy, COUNT_RUN tokens a pass) adds to `out` how many tokens of [lo, hi) set each bit."""
+    rng = np.random.default_rng(8)
+    codes = rng.integers(0, 2**64, size=(2, 2, 2 * ranges.COUNT_RUN + 100), dtype=np.uint64)  # (Hkv, W, N)
+    lo, hi = 7, 2 * ranges.COUNT_RUN + 51
+    bits = (codes[:, :, lo:hi, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)  # (Hkv, W, T, 64)
+    expected = bits.sum(2).reshape(2, 128).astype(np.int32) + 5
+    out = np.full((2, 128), 5, np.int32)
+    np.testing.assert_array_equal(kernels.bit_counts(codes, lo, hi, out), expected)
+
+
 def test_span_scores_are_the_mean_token_scores():
     q, codes = random_codes(np.random.default_rng(3), words=2)
     starts, ends = map(np.array, SEGMENTS)
