@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -176,8 +177,6 @@ def jitted():
 def most_threads() -> int:
     """numba's thread pool size, without importing numba: $NUMBA_NUM_THREADS, else the CPUs this
     process may run on (numba's own default)."""
-    import os
-
     if os.environ.get("NUMBA_NUM_THREADS"):
         return int(os.environ["NUMBA_NUM_THREADS"])
     return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else max(1, os.cpu_count() or 1)
