@@ -428,7 +428,8 @@ class CodeSelector:
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         out = self._out(q_codes[0], k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
         if self._on_planes(q_codes[0], cache, layer):
-            return self._planes_select(q_codes, cache, layer, n, bounds, retrieved, sinks, window, out)
+            return self._planes_select(q_codes, cache, layer, n, bounds, retrieved, sinks, window, out,
+                                       layout.window_start)
         kernels.score_select_blocks(q_codes, k_codes, n, bounds, retrieved, sinks, window, out=out,
                                     scratch=self._scratch)
         return out  # as _scan: numpy on the CPU, a torch view of the device buffer on a GPU (not a CuPy array)
@@ -439,12 +440,13 @@ class CodeSelector:
         k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
         return cache.key_codes.on_host and kernels.planes_fit(q_codes.shape[0], k_codes.shape[0], k_codes.shape[1])
 
-    def _planes_select(self, q_codes, cache, layer, n, bounds, retrieved, sinks, window, out):
-        """score_select_blocks' selection from the codes' byte planes (kernels/scan.c), into out (Hkv, K).
+    def _planes_select(self, q_codes, cache, layer, n, bounds, retrieved, sinks, window, out, window_start: int):
+        """score_select_blocks' selection from the codes' byte planes (kernels/scan.c), into out (Hkv, K);
+        window_start: the caller's layout's (the planes are written up to it).
 
         Why: the scan alone 1.3x faster on AVX2 at 131K than numba's word-major one, and a process whose
         scans all run here never imports numba (~54 MiB; docs/DECISIONS.md, "numba off the default path")."""
-        planes = cache.key_codes.planes(layer, kernels.selection_layout(n, retrieved, sinks, window).window_start)
+        planes = cache.key_codes.planes(layer, window_start)
         if self._plane_scratch is None or not self._plane_scratch.fits(q_codes.shape[1], planes):
             self._plane_scratch = kernels.PlaneScratch(q_codes.shape[1], *planes.shape)  # planes (Hkv, 8 W, Ncap)
         return kernels.planes_select_blocks(q_codes, planes, n, bounds, retrieved, sinks, window, out=out,
@@ -495,7 +497,8 @@ class CodeSelector:
         if self._on_planes(q_codes, cache, layer):  # one block: the middle's own bounds
             layout = kernels.selection_layout(n, retrieved, sinks, window)
             bounds = np.array([layout.sinks_end, layout.window_start], np.int64)
-            return self._planes_select(q_codes[None], cache, layer, n, bounds, retrieved, sinks, window, out)
+            return self._planes_select(q_codes[None], cache, layer, n, bounds, retrieved, sinks, window, out,
+                                       layout.window_start)
         kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
         return out  # numpy on the CPU, a torch view of the device buffer on a GPU
 
