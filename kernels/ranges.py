@@ -84,10 +84,11 @@ def bit_counts(k_codes, lo: int, hi: int, out) -> np.ndarray:
     return dest
 
 
-def span_scores(q_codes, ones, lengths, out=None) -> np.ndarray:
+def span_scores(q_codes, ones, lengths, out=None, *, jit: bool = True) -> np.ndarray:
     """Mean token score of each span, float64 (Hkv, S); ones (Hkv, >= S, B) int32, lengths (S,) int64.
 
-    A span of length 0 scores -1 (below every real score).
+    A span of length 0 scores -1 (below every real score). jit=False: the numpy form (the tests'
+    reference for the numba kernel), also where numba is not installed.
     """
     q = as_codes(q_codes, "q_codes")
     counts, sizes = as_numpy(ones), np.asarray(lengths, np.int64)
@@ -95,7 +96,7 @@ def span_scores(q_codes, ones, lengths, out=None) -> np.ndarray:
     if q.shape[0] % hkv or counts.shape[2] != q.shape[1] * WORD_BITS or counts.shape[1] < sizes.size:
         raise ValueError(f"q_codes {q.shape}, ones {counts.shape} and {sizes.size} lengths do not match")
     dest = result(out, (hkv, sizes.size), np.float64)
-    if HAVE_NUMBA:
+    if jit and HAVE_NUMBA:
         jitted()._span_scores(q, counts, sizes, q.shape[0] // hkv, dest)
     else:
         bits = np.unpackbits(q.view(np.uint8), axis=1, bitorder="little").reshape(hkv, -1, counts.shape[2])
@@ -108,17 +109,18 @@ def span_scores(q_codes, ones, lengths, out=None) -> np.ndarray:
     return dest
 
 
-def pick_ranges(scores, starts, ends, lo: int, hi: int, need: int, range_lo, range_hi, range_count) -> None:
+def pick_ranges(scores, starts, ends, lo: int, hi: int, need: int, range_lo, range_hi, range_count, *,
+                jit: bool = True) -> None:
     """Ranges (ascending, disjoint, within [lo, hi)) each head scans: every token outside the spans,
     and the best spans by (score desc, index asc) until their tokens in [lo, hi) reach `need`.
 
     scores (Hkv, S) float64; starts, ends (S,) int64 ascending and disjoint; range_lo / range_hi
-    (Hkv, >= 2 S + 1) int64 and range_count (Hkv,) int64 are written.
+    (Hkv, >= 2 S + 1) int64 and range_count (Hkv,) int64 are written. jit=False: the numpy form.
     """
     s, a, b = as_numpy(scores), np.asarray(starts, np.int64), np.asarray(ends, np.int64)
     if s.shape[1] != a.size or a.size != b.size or range_lo.shape[1] < 2 * a.size + 1:
         raise ValueError(f"scores {s.shape}, {a.size} starts, {b.size} ends and {range_lo.shape[1]} range slots")
-    if HAVE_NUMBA:
+    if jit and HAVE_NUMBA:
         jitted()._pick_ranges(s, a, b, lo, hi, need, range_lo, range_hi, range_count)
         return
     for h in range(s.shape[0]):

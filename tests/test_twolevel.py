@@ -113,12 +113,7 @@ def test_pick_ranges_covers_the_need_and_matches_numpy():
 
 
 def _numpy_pick(*args):
-    original = ranges.HAVE_NUMBA
-    ranges.HAVE_NUMBA = False
-    try:
-        ranges.pick_ranges(*args)
-    finally:
-        ranges.HAVE_NUMBA = original
+    ranges.pick_ranges(*args, jit=False)
 
 
 def test_bit_counts_over_runs_longer_than_one_pass_add_every_tokens_bits():
@@ -141,12 +136,7 @@ def test_span_scores_are_the_mean_token_scores():
     scores = kernels.scores(q, codes, 5000)
     expected = np.array([[scores[h, a:b].mean() for a, b in zip(starts, ends)] for h in range(3)])
     np.testing.assert_allclose(kernels.span_scores(q, ones, ends - starts), expected, rtol=1e-12)
-    original = ranges.HAVE_NUMBA
-    ranges.HAVE_NUMBA = False
-    try:
-        np.testing.assert_allclose(ranges.span_scores(q, ones, ends - starts), expected, rtol=1e-12)
-    finally:
-        ranges.HAVE_NUMBA = original
+    np.testing.assert_allclose(ranges.span_scores(q, ones, ends - starts, jit=False), expected, rtol=1e-12)
 
 
 # ----------------------------------------------------------------------------- summaries
