@@ -21,7 +21,7 @@ PY=${PYTHON:-python3}
 } 2>&1 | tee "$OUT/env.txt"
 
 timeout 300 $PY -m pytest -p no:cacheprovider -q -rA -m gpu \
-  tests/test_kernels.py tests/test_twolevel.py tests/test_cuda_decode.py 2>&1 | tee "$OUT/gpu-tests.txt"
+  tests/test_kernels.py tests/test_cuda_decode.py 2>&1 | tee "$OUT/gpu-tests.txt"
 echo "gpu tests exit: $?" | tee -a "$OUT/gpu-tests.txt"
 timeout 90 $PY -m pytest -p no:cacheprovider -q -rA \
   "tests/test_kernels.py::test_cuda_sources_compile_to_cubin" 2>&1 | tee -a "$OUT/gpu-tests.txt"

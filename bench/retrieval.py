@@ -9,20 +9,18 @@ cache, as a decode step does (the weights and the other layers flush the cache i
 Also: the K/V row gather candidates, the kernels right after a torch op, and (with a GPU) the
 CUDA path. Times are medians of repeated calls; the machine may be shared, ratios are the point.
 
-Part "two-level" (issue "Documents", part 4): two-level retrieval (spotlight/twolevel.py: segment
-summaries first, then tokens inside the chosen segments) against the flat scan at 128K and 512K
-tokens, on keys recorded from SmolLM2-135M (construction: `two_level_cache`): score +
-select time per layer and recall of the exact top-k.
+Two-level retrieval (segments or blocks by their code counts first, then tokens) had a part here
+until session 38 retired it: at the app's budget it was no faster than the byte-plane flat scan
+unless it lost recall (docs/DECISIONS.md, "Two-level retrieval retired").
 """
 from __future__ import annotations
 
-import functools
 import time
 
 import numpy as np
 
 import kernels
-from bench.common import SMALL_MODEL, Target, finish, log, parser
+from bench.common import Target, finish, log, parser
 from kernels import cpu
 
 MODELS = {"SmolLM2-135M": (3, 3, 64), "Qwen2.5-0.5B": (2, 7, 64), "Llama-8B-like": (8, 4, 128)}  # (Hkv, G, D); G = 7 takes the bit-plane scan
@@ -436,194 +434,6 @@ def _attention_us(torch, hkv: int, group: int, dim: int, n: int, repeats: int):
     return _device_us(dense, repeats), sparse_us
 
 
-# ----------------------------------------------------------------------------- two-level retrieval
-
-TWO_LEVEL = {False: {"contexts": [131072, 524288], "chunks": 4, "chunk": 8192, "layers": (4, 15, 25), "queries": 12},
-             True: {"contexts": [131072], "chunks": 2, "chunk": 4096, "layers": (15,), "queries": 6}}
-SEGMENT_TOKENS = 512  # segmenter's default max_tokens: one document segment = one span
-TAIL_TOKENS = 512  # chat turns after the document: outside every segment, always scanned
-MULTIPLES = (2.0, 4.0, 8.0)  # TwoLevelConfig.multiple candidates (the default is marked)
-
-
-class _Recorder:
-    """A decode policy that keeps the post-RoPE q and k of some layers during a dense prefill."""
-
-    code_words = 0
-
-    def __init__(self, layers):
-        self.q, self.k = {layer: [] for layer in layers}, {layer: [] for layer in layers}
-
-    def on_new_tokens(self, layer, q, k, cache):
-        if layer in self.q:
-            self.q[layer].append(q.clone())  # (H, T, D)
-            self.k[layer].append(k.clone())  # (Hkv, T, D)
-
-
-def record_chunks(config: dict):
-    """Keys (Hkv, chunk, D) of `chunks` distinct essay chunks per layer, the last chunk's final queries
-    (H, Q, D) per layer, the engine's encoders and model args. One dense prefill per chunk."""
-    import torch
-
-    from bench.decode import essay_ids
-    from spotlight.cache import KVCache
-    from spotlight.config import EngineConfig, SpotlightConfig, default_home
-    from spotlight.engine import Engine, find_encoders
-
-    engine = Engine.load(EngineConfig(model_path=SMALL_MODEL, threads=1), default_home())
-    encoders, _ = find_encoders(engine.args, engine.fingerprint, SpotlightConfig().bits, None)
-    ids = essay_ids(engine.tokenizer, config["chunks"] * config["chunk"])
-    keys, queries = {layer: [] for layer in config["layers"]}, {}
-    for c in range(config["chunks"]):
-        recorder, cache = _Recorder(config["layers"]), KVCache(engine.args, config["chunk"])
-        piece = ids[c * config["chunk"] : (c + 1) * config["chunk"]]
-        with torch.inference_mode():
-            for start in range(0, len(piece), engine.config.prefill_chunk):
-                engine.model(torch.tensor(piece[start : start + engine.config.prefill_chunk]), cache, recorder)
-        for layer in config["layers"]:
-            keys[layer].append(torch.cat(recorder.k[layer], 1))  # (Hkv, chunk, D)
-            queries[layer] = torch.cat(recorder.q[layer], 1)[:, -config["queries"] :]  # (H, Q, D)
-        log(f"two-level: recorded chunk {c + 1}/{config['chunks']}")
-    return keys, queries, encoders, engine.args
-
-
-def two_level_cache(chunk_keys: list, n: int, seed: int):
-    """(Hkv, n, D) keys: the distinct chunks once (the queries' own chunk last), other blocks filled
-    with copies of the other chunks whose deviation from their mean key is randomly rotated per block
-    and head (k' = mean + (k - mean) R): new content, the model's shared key statistics kept."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    size, others = chunk_keys[0].shape[1], chunk_keys[:-1]
-    blocks = []
-    for b in range(n // size - 1):
-        k = others[b % len(others)].float()  # (Hkv, chunk, D)
-        if b >= len(others):
-            mean = k.mean(1, keepdim=True)  # (Hkv, 1, D)
-            rotation = torch.linalg.qr(torch.randn(k.shape[0], k.shape[2], k.shape[2], generator=generator))[0]
-            k = mean + torch.bmm(k - mean, rotation)  # (Hkv, chunk, D)
-        blocks.append(k)
-    return torch.cat(blocks + [chunk_keys[-1].float()], 1)  # (Hkv, n, D)
-
-
-def exact_top(q, keys, layout):
-    """Per KV head: attention probability summed over the query group (H, D) x (Hkv, n, D) -> (Hkv, n),
-    and the exact top-`retrieved` middle tokens (Hkv, r)."""
-    import torch
-
-    hkv, _, dim = keys.shape
-    logits = torch.matmul(q.view(hkv, -1, dim), keys.transpose(1, 2)) / dim**0.5  # (Hkv, G, n)
-    prob = logits.softmax(-1).sum(1)  # (Hkv, n)
-    middle = prob[:, layout.sinks_end : layout.window_start]
-    return prob, middle.topk(layout.retrieved, dim=1).indices + layout.sinks_end  # (Hkv, r)
-
-
-def _recall(selected: np.ndarray, exact, prob, layout) -> tuple[float, float]:
-    """(top-k recall of the retrieved part, attention mass of the whole selection / G)."""
-    mids = selected[:, layout.sinks_end : layout.sinks_end + layout.retrieved]
-    hits = np.mean([np.isin(mids[h], exact[h].numpy()).mean() for h in range(mids.shape[0])])
-    group = float(prob.sum(1).mean())  # G: each query head's probabilities sum to 1
-    mass = np.mean([float(prob[h, selected[h]].sum()) / group for h in range(mids.shape[0])])
-    return float(hits), mass
-
-
-def two_level_part(quick: bool):
-    """Flat scan vs two-level (each multiple) at each context: microseconds per layer, recall, mass."""
-    import torch
-
-    from spotlight.twolevel import SpanTable, TwoLevelConfig
-
-    config = TWO_LEVEL[quick]
-    keys_by_layer, queries_by_layer, encoders, args = record_chunks(config)
-    words, default = kernels.words_for(encoders.spec.bits), TwoLevelConfig().multiple
-    rows, stats = [], {}
-    for n in config["contexts"]:
-        layout = kernels.selection_layout(n, int(RATIO * n), SINKS, WINDOW)
-        for li, layer in enumerate(config["layers"]):
-            keys = two_level_cache(keys_by_layer[layer], n, seed=li)  # (Hkv, n, D)
-            codes = np.zeros((args.n_kv_heads, words, n), np.uint64)  # (Hkv, W, n)
-            with torch.inference_mode():
-                for start in range(0, n, config["chunk"]):
-                    bits = encoders.key_bits(layer, keys[:, start : start + config["chunk"]])  # (Hkv, T, C)
-                    kernels.pack_into(bits.numpy(), codes, start)
-                q_codes = kernels.pack(encoders.query_bits(layer, queries_by_layer[layer].float()).numpy())  # (H, Q, W)
-            table = SpanTable()
-            for start in range(0, n - TAIL_TOKENS, SEGMENT_TOKENS):
-                table.add(start, min(start + SEGMENT_TOKENS, n - TAIL_TOKENS))
-            table.bind(1, args.n_kv_heads, words)
-            table.sync(0, codes, n)
-            # rotating copies of codes and summaries (as each decode layer reads its own, from DRAM)
-            copies = Rotation([(codes.copy(), table.summary(0).copy())
-                               for _ in range(max(2, FOOTPRINT // (codes.nbytes + table.ones.nbytes)))])
-            scratch = kernels.make_scratch(np.ascontiguousarray(q_codes[:, 0]), codes)
-            slots = 2 * table.ones.shape[2] + 1
-            lo, hi = np.zeros((args.n_kv_heads, slots), np.int64), np.zeros((args.n_kv_heads, slots), np.int64)
-            count, seg_scores = np.zeros(args.n_kv_heads, np.int64), np.empty((args.n_kv_heads, len(table)))
-            out = np.empty((args.n_kv_heads, layout.size), np.int32)
-            lengths = table.lengths(n)
-            for qi in range(q_codes.shape[1]):
-                q, qc = queries_by_layer[layer][:, qi].float(), np.ascontiguousarray(q_codes[:, qi])
-                prob, exact = exact_top(q, keys, layout)
-
-                def flat():
-                    return kernels.score_select(qc, copies()[0], n, layout.retrieved, SINKS, WINDOW, out=out,
-                                                scratch=scratch)
-
-                def two_level(need):
-                    layer_codes, summary = copies()
-                    kernels.span_scores(qc, summary, lengths, out=seg_scores)
-                    kernels.pick_ranges(seg_scores, table.starts, table.ends, layout.sinks_end, layout.window_start,
-                                        need, lo, hi, count)
-                    return kernels.ranges_score_select(qc, layer_codes, n, lo, hi, count, layout.retrieved, SINKS,
-                                                       WINDOW, out=out, scratch=scratch)
-
-                methods = {"flat": flat}
-                for m in MULTIPLES:
-                    name = f"two-level x{m:g}" + (" (default)" if m == default else "")
-                    methods[name] = functools.partial(two_level, int(np.ceil(m * layout.retrieved)))
-                for name, fn in methods.items():
-                    us = median_us(fn, 5)
-                    selected = fn()
-                    entry = stats.setdefault((n, name), {"us": [], "recall": [], "mass": [], "scanned": []})
-                    recall, mass = _recall(selected, exact, prob, layout)
-                    entry["us"].append(us)
-                    entry["recall"].append(recall)
-                    entry["mass"].append(mass)
-                    scanned = (hi - lo)[np.arange(slots) < count[:, None]].sum() / args.n_kv_heads / layout.middle
-                    entry["scanned"].append(float(scanned) if name != "flat" else 1.0)
-            del keys, copies
-            log(f"two-level: N={n} layer {layer} done")
-        flat_us = float(np.median(stats[(n, "flat")]["us"]))
-        for (ctx, name), entry in stats.items():
-            if ctx == n:
-                us = float(np.median(entry["us"]))
-                rows.append({"part": "two-level vs flat score + select per layer (recorded keys)", "N": n,
-                             "method": name, "segments": len(table), "scanned share": float(np.mean(entry["scanned"])),
-                             "us": us, "speedup vs flat": flat_us / us, "recall": float(np.mean(entry["recall"])),
-                             "attention mass": float(np.mean(entry["mass"]))})
-    top = max(config["contexts"])
-    flat = next(r for r in rows if r["N"] == top and r["method"] == "flat")
-    chosen = next(r for r in rows if r["N"] == top and r["method"].endswith("(default)"))
-    targets = [Target(f"two-level speedup vs flat at N={top}", chosen["speedup vs flat"], 3.0),
-               Target(f"two-level recall - flat recall at N={top} (points)", 100 * (chosen["recall"] - flat["recall"]),
-                      -2.0)]
-    notes = (
-        f"Two-level: keys recorded from SmolLM2-135M (dense prefill of {config['chunks']} distinct "
-        f"{config['chunk']}-token Paul Graham essay chunks; layers {list(config['layers'])}), queries = the last "
-        f"{config['queries']} positions of the last chunk. A cache of N tokens holds the distinct chunks once (the "
-        f"queries' own chunk last) and fills the rest with copies of the other chunks whose deviation from their "
-        f"mean key is randomly rotated per block and head: unrelated content with the model's shared key "
-        f"statistics. Segments of {SEGMENT_TOKENS} tokens (the segmenter's default maximum) cover all but the last "
-        f"{TAIL_TOKENS} tokens (chat turns, always scanned). Codes from the engine's encoders "
-        f"({'trained' if encoders.trained else 'untrained, identity-like'}); k = {RATIO:.0%} of N, sinks {SINKS}, "
-        f"window {WINDOW}. recall = share of the exact top-k (attention probability summed over the query group) "
-        f"among the retrieved tokens; attention mass = probability mass of the whole selection / G. Times: median "
-        f"of 5 calls per query, each reading another copy of the codes and summaries out of {FOOTPRINT >> 20} MiB "
-        f"(from DRAM, as in decode), then the median over queries and layers; two-level time includes segment "
-        f"scoring and range picking (summaries are maintained incrementally, not per step)."
-    )
-    return rows, targets, notes
-
-
 def attention_rows(sizes: dict, rng) -> list[dict]:
     """Decode attention of one SmolLM2 layer: kernels.attend vs SDPA over all rows, kernels.gather_attend vs
     torch.gather + SDPA over 2 % of them (random ascending rows); K/V rotate over layers beyond the cache."""
@@ -671,7 +481,7 @@ def attention_rows(sizes: dict, rng) -> list[dict]:
 
 def main(argv=None):
     p = parser("retrieval", __doc__.splitlines()[0])
-    p.add_argument("--part", choices=["all", "kernels", "two-level", "cuda"], default="all",
+    p.add_argument("--part", choices=["all", "kernels", "cuda"], default="all",
                    help="which part to run (cuda: the GPU rows only, in their own RESULTS section; "
                         "'all' runs it too when a GPU is present)")
     args = p.parse_args(argv)
@@ -695,11 +505,7 @@ def main(argv=None):
             f"project's kernels at the default thread count and on all cores; `numpy`: the pure-numpy fallback "
             f"(np.bitwise_count). Decode attention rows: K and V of one layer rotate over 512 MiB. "
             f"The CUDA rows have their own section (`--part cuda`).")
-    if args.part in ("all", "two-level"):
-        two_rows, two_targets, two_notes = two_level_part(args.quick)
-        rows, targets = rows + two_rows, targets + two_targets
-        notes.append(two_notes)
-    if args.part in ("all", "kernels", "two-level"):
+    if args.part in ("all", "kernels"):
         finish("retrieval", args, rows, targets, title="Retrieval kernels (score + select)", notes="\n\n".join(notes))
     if args.part in ("all", "cuda"):
         cuda_rows, cuda_targets, cuda_note = cuda_part(sizes)

@@ -5,7 +5,7 @@ Shape legend: L layers, Hkv KV heads, T tokens of a span, D head dim, W code wor
 One module plans, restores, verifies and stores a conversation's spans. It reads one
 `Rendering` (chat/render.py: ids, prefix length, message ends, document segment ranges)
 and talks to the engine only through its front door (`Context.rows`, `Context.append_rows`,
-`Context.mark_span`, `engine.prefill`, `engine.fingerprints`).
+`engine.prefill`, `engine.fingerprints`).
 
 Keys. Every span row has three explicit fingerprints (`memory.SpanKey`): the model's, the
 encoders' ("" for dense decode) and `prefix_digest`, the digest of the prefix ids its K/V
@@ -15,8 +15,8 @@ prefix itself is content-addressed: `CacheKey.prefix_hash(prefix ids)` is the sa
 conversation with the same system prompt and documents under the same model and encoders.
 
 Layout (`plan`): the prefix is cut where a document segment ends, so each document segment
-(cut once at ingest, chat/documents.py) is its own span with its own code table and the
-summary of its codes: the unit two-level retrieval picks first. The first span also holds
+(cut once at ingest, chat/documents.py) is its own span with its own code table (a document's
+spans are shared by every conversation that attaches it). The first span also holds
 the template and the system prompt, tags between documents go with the next document's
 first segment, the last span runs to the prefix's end. Then one span per message. Anything
 longer than SPAN_TOKENS is cut in blocks.
@@ -138,14 +138,14 @@ def prefix_layout(rendering: Rendering) -> list[tuple[int, int, str | None]]:
 def to_span_tensors(rows: KVRows) -> SpanTensors:
     """An engine row copy as the store's span tensors."""
     return SpanTensors(k=rows.k, v=rows.v, token_ids=np.asarray(rows.token_ids, dtype=np.int64),
-                       key_codes=rows.key_codes, code_summary=rows.code_summary)
+                       key_codes=rows.key_codes)
 
 
 def to_rows(span: memory.SpanFile) -> KVRows:
-    """A span read back from its mapped file (views, no copy) as engine rows."""
+    """A span read back from its mapped file (views, no copy) as engine rows (a code summary that
+    files written before session 38 hold is not read: nothing selects by it since)."""
     views = span.to_torch()
-    return KVRows(k=views.k, v=views.v, key_codes=span.key_codes, code_summary=span.code_summary,
-                  token_ids=span.token_ids.tolist())
+    return KVRows(k=views.k, v=views.v, key_codes=span.key_codes, token_ids=span.token_ids.tolist())
 
 
 class CacheSync:
@@ -208,7 +208,6 @@ class CacheSync:
                 reason = "fingerprint"
         if rows is not None and rows.token_ids == expected:
             context.append_rows(rows)
-            context.mark_span(span.start_pos, span.end_pos, rows.code_summary)
             report.restored += len(expected)
             return True
         return self._recompute(context, span, expected, key, report, reason or "corrupt", cancel)
@@ -237,7 +236,6 @@ class CacheSync:
         if not self.engine.prefill(context, expected, cancel=cancel):
             return False  # cancelled: the context stays consistent up to what was computed
         rows = context.rows(start, start + len(expected))
-        context.mark_span(start, start + len(expected), rows.code_summary)
         report.recomputed += len(expected)
         report.recomputed_by_reason[reason] = report.recomputed_by_reason.get(reason, 0) + len(expected)
         try:
@@ -308,18 +306,9 @@ class CacheSync:
         return parts
 
     def snapshot(self, context: Context, parts: list[Part]) -> list[Pending]:
-        """Copy the rows of each part not stored yet out of the Context, and register every
-        part as a span of its two-level table (call under the engine gate)."""
-        pending: list[Pending] = []
-        for part in sorted(parts, key=lambda p: p.start):
-            summary = None
-            if not part.stored:
-                rows = context.rows(part.start, part.end)
-                pending.append(Pending(part, to_span_tensors(rows)))
-                summary = rows.code_summary
-            if part.end <= len(context.tokens):
-                context.mark_span(part.start, part.end, summary)
-        return pending
+        """Copy the rows of each part not stored yet out of the Context (call under the engine gate)."""
+        return [Pending(part, to_span_tensors(context.rows(part.start, part.end)))
+                for part in sorted(parts, key=lambda p: p.start) if not part.stored]
 
     def write(self, session_id: SessionId, rendering: Rendering, pending: list[Pending]) -> list[str]:
         """Store the pending spans (each pinned until all are written), mark a fully stored

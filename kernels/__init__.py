@@ -14,15 +14,11 @@ results; the semantics (bit order, scores, the tie rule) are written once in ker
 Decode-step attention (`attend`, `gather_attend`: exact softmax attention of one query step
 over all cached rows or over selected rows, reading them in place) lives in kernels/attend_cpu.py
 (CPU) and kernels/cuda.py; `mlp_codes` / `MlpCoder` (an encoder MLP + pack in one call) are CPU only
-(kernels/encode.py). Two-level retrieval (kernels/ranges.py): `ranges_score_select`, the flat
-selection over each head's token ranges, runs on both backends (CUDA: kernels/retrieval.cu
-`range_scores`, compile-checked only so far); the host-side span table's helpers
-(`bit_counts`, `span_scores`, `pick_ranges`) are CPU only. The folded scan past the window also
-runs on byte planes of the codes (kernels/planes.py over kernels/scan.c, AVX2; CPU only):
+(kernels/encode.py). The folded scan past the window also runs on byte planes of the codes (kernels/planes.py over kernels/scan.c, AVX2; CPU only):
 `write_planes`, `planes_select_blocks` (score_select_blocks' result), where `planes_fit`; the
 engine's flat scan inside the window reads them too.
 
-numba: each module's JIT kernels sit in a sibling module (cpu_jit, ranges_jit, attend_jit,
+numba: each module's JIT kernels sit in a sibling module (cpu_jit, attend_jit,
 encode_jit, linear_jit, quant_cpu) imported by the module's `jitted()` at the first call that
 runs one. Importing this package, or running the engine's CPU path where kernels/_quant.so is
 built, never imports numba (tests/test_engine.py checks a whole conversation).
@@ -39,11 +35,9 @@ import types
 
 from . import attend_cpu as _attend
 from . import cpu
-from . import ranges as _ranges
 from .cpu import Layout, Scratch, selection_layout, set_threads, words_for
 from .encode import MlpCoder, mlp_codes
 from .planes import PlaneScratch, planes_fit, planes_select_blocks, write_planes
-from .ranges import bit_counts, pick_ranges, span_scores
 
 __all__ = [
     "pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "score_select_blocks", "make_scratch",
@@ -51,7 +45,6 @@ __all__ = [
     "selection_layout", "words_for", "Layout", "Scratch", "backend_of", "use_backend", "CudaUnavailable",
     "set_threads", "attend", "gather_attend", "remapped_attend", "selected_scores", "make_attend_scratch", "mlp_codes",
     "MlpCoder",
-    "bit_counts", "span_scores", "pick_ranges", "ranges_score_select",
     "write_planes", "planes_fit", "planes_select_blocks", "PlaneScratch",
 ]
 
@@ -94,7 +87,6 @@ def _numpy_backend():
     names = ("pack", "pack_into", "scores", "scores_blocks", "select", "score_select", "score_select_blocks", "gather")
     funcs = {name: functools.partial(getattr(cpu, name), jit=False) for name in names}
     funcs.update({name: functools.partial(getattr(_attend, name), jit=False) for name in ("attend", "gather_attend")})
-    funcs["ranges_score_select"] = functools.partial(_ranges.ranges_score_select, jit=False)
     return types.SimpleNamespace(make_scratch=cpu.make_scratch, make_attend_scratch=_attend.make_attend_scratch, **funcs)
 
 
@@ -105,7 +97,6 @@ def _cpu_backend():
              "make_scratch")
     funcs = {name: getattr(cpu, name) for name in names}
     funcs.update({name: getattr(_attend, name) for name in ("attend", "gather_attend", "make_attend_scratch")})
-    funcs["ranges_score_select"] = _ranges.ranges_score_select
     return types.SimpleNamespace(**funcs)
 
 
@@ -228,16 +219,3 @@ def selected_scores(q, k, idx, base: int = 0, moved: int = 0, lo_table=None, hi_
 def make_attend_scratch(q, k):
     """Buffers of attend / gather_attend for q (H, D) and k (Hkv, Ncap, D); independent of n and Ncap."""
     return _pick(k).make_attend_scratch(q, k)
-
-
-def ranges_score_select(q_codes, k_codes, n: int, range_lo, range_hi, range_count, k: int, sinks: int, window: int,
-                        out=None, scratch=None):
-    """score_select over each head's token ranges only: int32 (Hkv, K), the flat layout and tie rule.
-
-    range_lo / range_hi (Hkv, R) int64, range_count (Hkv,): head h scans [range_lo[h, i], range_hi[h, i])
-    for i < range_count[h] (ascending, disjoint, inside [sinks, n - window)), at least min(k, middle)
-    tokens per head. Ranges covering the whole middle give score_select's result exactly.
-    scratch: make_scratch(q_codes, k_codes).
-    """
-    return _pick(k_codes).ranges_score_select(q_codes, k_codes, n, range_lo, range_hi, range_count, k, sinks, window,
-                                               out=out, scratch=scratch)

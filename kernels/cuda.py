@@ -29,7 +29,7 @@ SOURCE = Path(__file__).with_name("retrieval.cu")
 OPTIONS = ("-std=c++17",)
 PACK_TYPES = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}  # float bytes -> bits type
 SCORE_TYPES = {np.dtype(np.int32): "int", np.dtype(np.uint16): "unsigned short"}  # score array dtype -> C type
-SCORE_KERNELS = ("hamming_scores", "select_count", "select_write", "range_scores")  # templates on the score type
+SCORE_KERNELS = ("hamming_scores", "select_count", "select_write")  # templates on the score type
 # Every kernel is named to NVRTC (the templates must be; CuPy then looks each name up in one mapping).
 NAME_EXPRESSIONS = (tuple(f"pack_rows<{t}>" for t in PACK_TYPES.values())
                     + tuple(f"{k}<{t}>" for k in SCORE_KERNELS for t in SCORE_TYPES.values()) + ("score_histogram",))
@@ -42,7 +42,6 @@ BLOCKS_PER_SM = 16  # grid of the grid-stride scoring kernels: two waves of 8 re
                     # SM): 2.4-2.5 us faster than one wave at 512K tokens on an H200 (docs/gpu/)
 MAX_BINS = 12288  # histogram bins (int32) in the 48 KiB of shared memory a launch gets without opt-in;
                   # below 65536, so the fused paths keep uint16 scores (half the selection kernels' reads)
-RANGE_SPLIT = 8  # blocks per range in range_scores (a range may be one 512-token span or the whole middle)
 
 
 @functools.cache
@@ -308,47 +307,6 @@ def score_select(q_codes, k_codes, n: int, k: int, sinks: int, window: int, out=
     _launch_scores(q, kc, n, buf.scores, kc.shape[2], group, words, buf.hist, bins,
                    layout.sinks_end, layout.window_start)
     _select_from_hist(buf.scores, kc.shape[2], layout, buf, dest)
-    return dest
-
-
-def ranges_score_select(q_codes, k_codes, n: int, range_lo, range_hi, range_count, k: int, sinks: int, window: int,
-                        out=None, scratch=None):
-    """kernels/ranges.py `ranges_score_select` on the device, bit-identical.
-
-    Ranges given as numpy arrays are checked on the host (coverage >= retrieved per head) and
-    uploaded; device arrays are trusted (checking them would sync). The middle of the scratch's
-    score rows is zeroed, the ranges' tokens scored (+ 1), then the histogram selection runs.
-    """
-    cp = _cupy()
-    q, kc = _codes(q_codes, "q_codes"), _codes(k_codes, "k_codes")
-    hkv, group, words = _check_codes(q, kc, n)
-    layout = selection_layout(n, k, sinks, window)
-    dest = _result(out, (hkv, layout.size), np.int32)
-    if isinstance(range_lo, np.ndarray):
-        from .ranges import _scanned_tokens
-
-        lo_h, hi_h, count_h = (np.asarray(a, np.int64) for a in (range_lo, range_hi, range_count))
-        if _scanned_tokens(lo_h, hi_h, count_h, layout.sinks_end, layout.window_start) < layout.retrieved:
-            raise ValueError(f"ranges must be ascending, disjoint, inside [{layout.sinks_end}, {layout.window_start}) "
-                             f"and hold >= {layout.retrieved} tokens per head")
-    lo, hi, count = (_contiguous(cp.asarray(a, dtype=np.int64), name)
-                     for a, name in ((range_lo, "range_lo"), (range_hi, "range_hi"), (range_count, "range_count")))
-    if layout.retrieved in (0, layout.middle):
-        return _fill_all(dest, layout)
-    buf = scratch if scratch is not None else make_scratch(q, kc)
-    bins = group * words * WORD_BITS + 2
-    if bins > MAX_BINS or buf.scores.shape != (hkv, kc.shape[2]):
-        raise ValueError("scratch was made for other q_codes / k_codes shapes, or G * W * 64 is too large")
-    hist = cp.zeros((hkv, bins), np.int32)  # NOTE: from CuPy's pool; one more bin than score_select's
-    buf.scores[:, layout.sinks_end : layout.window_start] = 0
-    slots = lo.shape[1]
-    _score_kernel("range_scores", buf.scores)(
-        (max(1, slots * RANGE_SPLIT), hkv), (THREADS,),
-        (q, kc, lo, hi, count, np.int32(slots), np.int32(RANGE_SPLIT), buf.scores, np.int64(kc.shape[2]),
-         np.int64(kc.shape[2]), np.int32(group), np.int32(words), hist, np.int32(bins)),
-        shared_mem=group * words * 8 + bins * 4,
-    )
-    _select_from_hist(buf.scores, kc.shape[2], layout, _SelectBuffers(hist, buf.tile_counts), dest)
     return dest
 
 

@@ -267,48 +267,6 @@ __global__ void select_write(const S* __restrict__ scores, long long score_strid
     }
 }
 
-// ---------------------------------------------------------------------------------- ranged scoring
-
-// Two-level retrieval: score only the tokens of each head's ranges. grid (x: range slots * split,
-// y: KV head); block x handles range x / split, tokens lo + (x % split) * blockDim + threadIdx,
-// striding split * blockDim. Writes score + 1 into scores (the caller zeroed the middle, so tokens
-// outside the ranges hold 0 and, with >= r tokens scanned per head, never reach the cut) and adds
-// each scanned score + 1 to hist (Hkv, bins), bins = G * W * 64 + 2. Ranges: (Hkv, slots) int64,
-// range_count (Hkv,) int64. select_count / select_write then run unchanged on these scores.
-template <typename S>
-__global__ void range_scores(const u64* __restrict__ q, const u64* __restrict__ k,
-                             const long long* __restrict__ range_lo,
-                             const long long* __restrict__ range_hi,
-                             const long long* __restrict__ range_count, int slots, int split,
-                             S* __restrict__ scores, long long score_stride,
-                             long long capacity, int group, int words,
-                             int* __restrict__ hist, int bins) {
-    extern __shared__ u64 shared[];
-    u64* qs = shared;
-    int* hs = (int*)(shared + group * words);
-    int h = blockIdx.y, gw = group * words;
-    int slot = blockIdx.x / split, part = blockIdx.x % split;
-    if (slot >= range_count[h]) return;  // the same for the whole block: no thread waits below
-    for (int i = threadIdx.x; i < gw; i += blockDim.x) qs[i] = ~q[(long long)h * gw + i];
-    for (int i = threadIdx.x; i < bins; i += blockDim.x) hs[i] = 0;
-    __syncthreads();
-    long long lo = range_lo[(long long)h * slots + slot], hi = range_hi[(long long)h * slots + slot];
-    const u64* kh = k + (long long)h * words * capacity;
-    for (long long t = lo + (long long)part * blockDim.x + threadIdx.x; t < hi;
-         t += (long long)split * blockDim.x) {
-        int s = 1;
-        for (int w = 0; w < words; ++w) {
-            u64 x = kh[w * capacity + t];
-            for (int g = 0; g < group; ++g) s += __popcll(qs[g * words + w] ^ x);
-        }
-        scores[h * score_stride + t] = (S)s;
-        atomicAdd(&hs[s], 1);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < bins; i += blockDim.x)
-        if (hs[i]) atomicAdd(&hist[(long long)h * bins + i], hs[i]);
-}
-
 // ---------------------------------------------------------------------------------- instantiations
 
 // Every template kernel for both score types, so `nvcc -cubin` builds them all (CuPy names them
@@ -319,9 +277,6 @@ __global__ void range_scores(const u64* __restrict__ q, const u64* __restrict__ 
     template __global__ void select_count<S>(const S*, long long, int, int, int, const int*, int,  \
                                              int, int*);                                           \
     template __global__ void select_write<S>(const S*, long long, int, int, int, int, const int*,  \
-                                             int, int, const int*, int*, int);                     \
-    template __global__ void range_scores<S>(const u64*, const u64*, const long long*,             \
-                                             const long long*, const long long*, int, int, S*,     \
-                                             long long, long long, int, int, int*, int);
+                                             int, int, const int*, int*, int);
 SCORE_KERNELS(int)
 SCORE_KERNELS(unsigned short)

@@ -17,18 +17,17 @@ A policy (`DecodePolicy`) is called by every layer of the model:
 `retrieved = max(k_min, ratio * N)` others that its selector ranks highest, and runs exact
 softmax attention over those rows. Every selector (Spotlight codes, random SimHash, exact
 top-k, Quest pages, sinks + window only) returns the same layout
-(`kernels.selection_layout`), so budgets are identical across methods. From
-`two_level_from` cached tokens on, a selector whose `has_spans` holds (CodeSelector) and a
-cache with stored spans (`cache.spans`, spotlight/twolevel.py) pick spans by their code
-summaries first, then tokens inside them: same layout and budget, fewer codes read. Below
-the threshold, or without spans, the flat scan runs; it is the reference.
+(`kernels.selection_layout`), so budgets are identical across methods. Inside the window
+CodeSelector's flat scan scores every cached token's code at every length (two-level retrieval,
+segments first, was retired: at the app's budget it was no faster than the byte-plane flat scan
+unless it lost recall; docs/DECISIONS.md, "Two-level retrieval retired").
 
 Past the model's native window (`cache.args.max_seq_len`) every layer, dense layers included,
 reads sinks + `far_window` recent tokens + `far_retrieved` selected ones, re-positioned inside
 the trained range (spotlight/beyond.py); a prefill chunk there selects `far_prefill_retrieved`
 once for all its queries by their majority code. With `far_fold` (the default) the candidates are scored in blocks, each
 by the query turned back to see them about where they will be read (`select_far`: the flat scan,
-also where spans exist); with 0, at their true distances (`select_chunk` / `select`). Within the
+with 0, at their true distances (`select_chunk` / `select`). Within the
 window nothing of this runs.
 
 Fast path (CPU, fp32 cache, numba): attention reads the selected rows in place
@@ -55,13 +54,12 @@ from .hashing import Encoders
 from .beyond import remapped_chunk, remapped_decode
 from .model import as_compute, causal_attention, dense_decode, rope_inv_freq
 from .positions import Rotations
-from .twolevel import TwoLevelConfig, TwoLevelScan
 
 
 class Selector(Protocol):
     """Which cached tokens a sparse layer reads. Every selector implements all of it.
 
-    `select` / `select_spans` return int32 (Hkv, K) indices in `kernels.selection_layout`'s
+    `select` returns int32 (Hkv, K) indices in `kernels.selection_layout`'s
     layout and tie rule (numpy, or a tensor on the cache's device; possibly a reused buffer)."""
 
     code_words: int  # W of the key codes it keeps in the cache (0: none)
@@ -76,14 +74,7 @@ class Selector(Protocol):
     def select(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
         """The flat scan over the first n cached tokens for the query q (H, 1, D)."""
 
-    def has_spans(self, cache) -> bool:
-        """Whether `select_spans` can run on this cache (stored spans with code summaries)."""
-
-    def select_spans(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
-        """Two-level selection: stored spans by summary first, then tokens (spotlight/twolevel.py)."""
-
-    def select_chunk(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int,
-                     two_level: bool):
+    def select_chunk(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
         """One selection among the first n cached tokens for all T queries q (H, T, D) of a chunk."""
 
     def select_far(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int,
@@ -216,7 +207,6 @@ class SpotlightDecode:
     def __init__(self, config: SpotlightConfig, selector):
         self.config = config
         self.selector = selector
-        self.selections = {"flat": 0, "two_level": 0}  # sparse layer-steps by path, since construction
         self.attend = Attend()
         self._selected: dict[int, object] = {}  # layer -> what its last decode read (None: all rows)
         self._rotations: Rotations | None = None  # moves keys past the window (made on first use)
@@ -246,11 +236,6 @@ class SpotlightDecode:
         c = self.config
         return not c.enabled or layer in c.dense_layers or n_tokens < c.dense_below
 
-    def uses_spans(self, cache, n_tokens: int) -> bool:
-        """Whether a step over `n_tokens` selects two-level: a long enough context, and a selector
-        and cache that have spans."""
-        return n_tokens >= self.config.two_level_from and self.selector.has_spans(cache)
-
     def beyond(self, cache, n_tokens: int) -> bool:
         """Whether `n_tokens` reach past the model's native window (then every layer remaps)."""
         return self.config.enabled and n_tokens > cache.args.max_seq_len
@@ -268,12 +253,11 @@ class SpotlightDecode:
             return causal_attention(q, cache.keys(layer, T), cache.values(layer, T))  # (H, T, D)
         sinks, step, window = self.far_budget
         retrieved = min(self.config.far_prefill_retrieved, step)  # a chunk reads no more than a decode step
-        if self.config.far_fold:  # the flat scan, folded (two-level has no folded scan yet)
+        if self.config.far_fold:  # the flat scan, folded
             idx = self.selector.select_far(layer, q, cache, past, retrieved, sinks, window, self.config.far_fold,
                                            self.rotations(cache))
         else:
-            idx = self.selector.select_chunk(layer, q, cache, past, retrieved, sinks, window,
-                                             self.uses_spans(cache, past))
+            idx = self.selector.select_chunk(layer, q, cache, past, retrieved, sinks, window)
         local = _local(past, retrieved, sinks, window)  # the window's columns keep their positions
         return remapped_chunk(q, cache.k[layer], cache.v[layer], idx, past, self.rotations(cache), local)
 
@@ -299,17 +283,13 @@ class SpotlightDecode:
 
     def _select(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int,
                 far: bool = False):
-        """The selector's (Hkv, K) pick for a decode step, flat or two-level (`far`: past the window,
-        folded when far_fold is set), kept as `selection(layer)`."""
-        folded = far and bool(self.config.far_fold)  # past the window: the folded flat scan
-        two_level = not folded and self.uses_spans(cache, n)
-        if folded:
+        """The selector's (Hkv, K) pick for a decode step (`far`: past the window, folded when
+        far_fold is set), kept as `selection(layer)`."""
+        if far and self.config.far_fold:  # past the window: the folded flat scan
             idx = self.selector.select_far(layer, q, cache, n, retrieved, sinks, window, self.config.far_fold,
                                            self.rotations(cache))
         else:
-            select = self.selector.select_spans if two_level else self.selector.select
-            idx = select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K) int
-        self.selections["two_level" if two_level else "flat"] += 1
+            idx = self.selector.select(layer, q, cache, n, retrieved, sinks, window)  # (Hkv, K) int
         self._selected[layer] = idx
         return idx
 
@@ -340,13 +320,11 @@ class CodeSelector:
     On the fast path the query codes and a decode step's key codes come from
     `kernels.MlpCoder` over views of the encoders' parameters (in place: retraining
     them in place is seen), and the selection is written into a buffer of the cache's
-    capacity (reused: copy it to keep it). `select` is the flat scan; `select_spans` the
-    two-level one (spotlight/twolevel.py).
+    capacity (reused: copy it to keep it). `select` is the flat scan.
     """
 
-    def __init__(self, encoders: Encoders, two_level: TwoLevelConfig = TwoLevelConfig()):
+    def __init__(self, encoders: Encoders):
         self.encoders = encoders
-        self.two_level = TwoLevelScan(two_level)
         self.code_words = kernels.words_for(encoders.spec.bits)
         self.fingerprint = encoders.fingerprint
         self._capacity = None  # (shape (Hkv, W, Ncap), device) of the code buffer the buffers below were made for
@@ -407,11 +385,8 @@ class CodeSelector:
         return kernels.pack(majority, out=torch.empty((q.shape[0], self.code_words), dtype=torch.int64,
                                                        device=q.device))
 
-    def select_chunk(self, layer, q, cache, n, retrieved, sinks, window, two_level):
-        q_codes = self.chunk_codes(layer, q)  # (H, W)
-        if two_level:
-            return self._two_level(layer, q_codes, cache, n, retrieved, sinks, window)
-        return self._scan(layer, q_codes, cache, n, retrieved, sinks, window)
+    def select_chunk(self, layer, q, cache, n, retrieved, sinks, window):
+        return self._scan(layer, self.chunk_codes(layer, q), cache, n, retrieved, sinks, window)
 
     def select_far(self, layer, q, cache, n, retrieved, sinks, window, fold, rotations):
         # The candidates [sinks_end, window_start) in blocks of `fold` counted back from the local
@@ -502,21 +477,6 @@ class CodeSelector:
         kernels.score_select(q_codes, k_codes, n, retrieved, sinks, window, out=out, scratch=self._scratch)
         return out  # numpy on the CPU, a torch view of the device buffer on a GPU
 
-    def has_spans(self, cache) -> bool:
-        """Whether `cache` has spans with summaries (host-memory codes) to select from."""
-        table = getattr(cache, "spans", None)
-        return table is not None and table.ones is not None and len(table) > 0
-
-    def select_spans(self, layer, q, cache, n, retrieved, sinks, window):
-        """`select` restricted to the best spans of cache.spans and every token outside them."""
-        return self._two_level(layer, self.query_codes(layer, q), cache, n, retrieved, sinks, window)
-
-    def _two_level(self, layer, q_codes, cache, n, retrieved, sinks, window):
-        k_codes = cache.codes[layer]  # (Hkv, W, Ncap)
-        out = self._out(q_codes, k_codes, n, retrieved, sinks, window)  # (Hkv, K) view
-        self.two_level.select(layer, q_codes, k_codes, cache.spans, n, retrieved, sinks, window, out, self._scratch)
-        return out  # as _scan
-
     def _out(self, q_codes, k_codes, n, retrieved, sinks, window) -> np.ndarray:
         """The (Hkv, K) view of the reused selection buffer for this step's layout."""
         hkv, size = k_codes.shape[0], kernels.selection_layout(n, retrieved, sinks, window).size
@@ -553,7 +513,7 @@ def _coder(mlp, layer: int, memo: dict) -> "kernels.MlpCoder":
 
 
 class _Uncoded:
-    """What the selectors that keep no key codes share: no codes to write, no two-level scan."""
+    """What the selectors that keep no key codes share: no codes to write."""
 
     code_words = 0
     fingerprint = ""
@@ -561,13 +521,7 @@ class _Uncoded:
     def on_new_tokens(self, layer, q, k, cache) -> None:
         pass
 
-    def has_spans(self, cache) -> bool:
-        return False
-
-    def select_spans(self, layer, q, cache, n, retrieved, sinks, window):
-        raise RuntimeError(f"{type(self).__name__} has no two-level scan; SpotlightDecode checks has_spans first")
-
-    def select_chunk(self, layer, q, cache, n, retrieved, sinks, window, two_level):
+    def select_chunk(self, layer, q, cache, n, retrieved, sinks, window):
         """`select` for the chunk's mean query (H, 1, D)."""
         return self.select(layer, q.mean(1, keepdim=True), cache, n, retrieved, sinks, window)
 

@@ -13,12 +13,9 @@ Positions and lengths (batch size is always 1: one conversation per cache):
 ran, `advance(T)` makes them part of the cache. `truncate(m)` forgets everything from
 m on (edit / regenerate); nothing is freed, so the next append reuses the memory.
 
-`spans` (spotlight/twolevel.py) holds the cache's stored-span boundaries and per-span code
-summaries for two-level retrieval. Whoever lays the tokens out registers them
-(`Context.mark_span`: one per stored span, set when spans are restored or stored); the
-summaries are kept only for host-memory codes (bound here), and `truncate` truncates them
-with the rows. `KeyCodes` owns the codes on either device; `rows` / `append_rows` copy whole
-rows out and in (`KVRows`), so nothing outside the engine touches the buffers.
+`KeyCodes` owns the codes on either device (and, for host codes, their byte planes, which
+`truncate` truncates with the rows); `rows` / `append_rows` copy whole rows out and in
+(`KVRows`), so nothing outside the engine touches the buffers.
 """
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ import torch
 import kernels
 
 from .config import ModelArgs
-from .twolevel import SpanTable
 
 _GROW_ROUND = 256  # capacity grows in multiples of this many tokens
 
@@ -124,14 +120,13 @@ class KVRows:
 
     k, v: (L, Hkv, T, D) torch, the cache's dtype, on the host; token_ids: the T token ids;
     key_codes: (L, Hkv, W, T) numpy uint64 (a host copy also for a CUDA cache), None without
-    codes; code_summary: (L, Hkv, B) int32 per-bit counts of key_codes (`twolevel.code_summary`).
+    codes.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     token_ids: list[int]
     key_codes: np.ndarray | None = None
-    code_summary: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.k.shape[2]
@@ -221,9 +216,6 @@ class KVCache:
             weakref.finalize(self, _give_back, self._pool, self._pooled)
         self.key_codes: KeyCodes | None = None
         self._allocate(max(capacity, 1))
-        self.spans = SpanTable()
-        if self.key_codes is not None and self.key_codes.on_host:
-            self.spans.bind(args.n_layers, args.n_kv_heads, code_words)
 
     def _allocate(self, capacity: int) -> None:
         capacity = -(-capacity // _GROW_ROUND) * _GROW_ROUND
@@ -290,11 +282,10 @@ class KVCache:
         self.length += n_tokens
 
     def truncate(self, length: int) -> None:
-        """Forget every token from `length` on (and the spans' share of them)."""
+        """Forget every token from `length` on (and their codes' byte planes)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self.length = length
-        self.spans.truncate(length)
         if self.key_codes is not None:
             self.key_codes.truncate(length)
 

@@ -172,13 +172,9 @@ class SpotlightConfig:
     ratio: float = 0.15
     k_min: int = 64  # retrieved tokens at least
     dense_below: int = 2048  # contexts shorter than this use dense attention everywhere
-    # From this many cached tokens on, decode picks stored spans by their code summaries first,
-    # then tokens inside them (spotlight/twolevel.py); below it the flat scan (the reference) runs.
-    # Past the model's window the folded flat scan runs instead while far_fold is set (below).
-    # docs/RESULTS.md "Retrieval kernels": two-level is 4.1x faster at 128K and 5.7x at 512K, but with
-    # the trained encoders it keeps 4.3-8.4 recall points less than the flat scan (docs/DECISIONS.md);
-    # a flat scan at 32K costs ~0.1 ms per layer, too little to trade.
-    two_level_from: int = 65536
+    # Inside the window the flat scan scores every cached code at every length: two-level retrieval
+    # (blocks or stored spans by their code counts first) was no faster than the byte-plane flat scan at
+    # this budget unless it lost recall, and was retired (docs/DECISIONS.md, "Two-level retrieval retired").
     # Past the model's native window every layer reads sinks + the last `far_window` tokens (true
     # distances) + the `far_retrieved` best others by their codes, re-positioned just before the
     # window (spotlight/beyond.py). A fixed number, not a share of N: about what the model was
@@ -223,8 +219,8 @@ class SpotlightConfig:
             raise ValueError(f"bits must be a multiple of 32 between 32 and 256; got {self.bits}")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
-        if min(self.sinks, self.window, self.k_min, self.dense_below, self.two_level_from) < 0:
-            raise ValueError("sinks, window, k_min, dense_below and two_level_from must be >= 0")
+        if min(self.sinks, self.window, self.k_min, self.dense_below) < 0:
+            raise ValueError("sinks, window, k_min and dense_below must be >= 0")
         if min(self.far_window, self.far_retrieved, self.far_prefill_retrieved) < 1:
             raise ValueError("far_window, far_retrieved and far_prefill_retrieved must be >= 1")
         if self.far_alone < 1:

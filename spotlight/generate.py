@@ -4,7 +4,7 @@ Shape legend: T new tokens, V vocabulary.
 
 `Context` pairs a KV cache with the token ids it holds, so a new prompt only prefills
 what differs from the cache (multi-turn chat, regenerate, edit); its row API (`rows`,
-`append_rows`, `mark_span`) is how stored spans leave and enter it. `stream()` yields one
+`append_rows`) is how stored spans leave and enter it. `stream()` yields one
 `Step` per generated token with the text it adds; the last step carries the finish
 reason and timings.
 """
@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from .cache import KVCache, KVRows
@@ -23,7 +22,6 @@ from .config import SamplingConfig
 from .errors import ContextTooLong
 from .heap import release_freed_memory
 from .observers import StepObserver
-from .twolevel import code_summary
 
 
 @dataclass
@@ -51,11 +49,9 @@ class Context:
         self.cache.reserve(n_tokens)
 
     def rows(self, start: int, end: int) -> KVRows:
-        """Copies of rows [start, end): K/V, token ids, and the key codes with their summary
-        (`twolevel.code_summary`) when the cache has codes."""
+        """Copies of rows [start, end): K/V, token ids, and the key codes when the cache has codes."""
         k, v, codes = self.cache.rows(start, end)  # (L, Hkv, T, D) x2, (L, Hkv, W, T) or None
-        summary = None if codes is None else code_summary(codes)  # (L, Hkv, B)
-        return KVRows(k=k, v=v, token_ids=list(self.tokens[start:end]), key_codes=codes, code_summary=summary)
+        return KVRows(k=k, v=v, token_ids=list(self.tokens[start:end]), key_codes=codes)
 
     def append_rows(self, rows: KVRows, n: int | None = None) -> None:
         """Append the first `n` rows (default all) of `rows`, token ids included. Codes are
@@ -67,12 +63,6 @@ class Context:
         codes = None if rows.key_codes is None else rows.key_codes[..., :n]  # (L, Hkv, W, n)
         self.cache.load(rows.k[:, :, :n], rows.v[:, :, :n], codes)  # k, v: (L, Hkv, n, D)
         self.tokens.extend(int(token) for token in rows.token_ids[:n])
-
-    def mark_span(self, start: int, end: int, summary: np.ndarray | None = None) -> None:
-        """Register tokens [start, end) as one stored span for two-level retrieval (a span laid
-        out differently before is replaced); `summary` (L, Hkv, B) is its stored code summary,
-        taken as is (else its codes are counted when first needed)."""
-        self.cache.spans.cover(start, end, summary)
 
 
 @dataclass

@@ -130,7 +130,7 @@ def test_selection_inside_the_window_is_the_flat_scan_of_the_codes():
         got = np.array(selector.select(layer, q, cache, n, 16, 4, 16))  # (Hkv, K): a copy of the reused buffer
         scores = kernels.scores(np.array(selector.query_codes(layer, q)), cache.codes[layer], n)
         np.testing.assert_array_equal(got, kernels.select(scores, 16, 4, 16))
-        got = np.array(selector.select_chunk(layer, chunk, cache, n, 16, 4, 16, two_level=False))
+        got = np.array(selector.select_chunk(layer, chunk, cache, n, 16, 4, 16))
         scores = kernels.scores(np.array(selector.chunk_codes(layer, chunk)), cache.codes[layer], n)
         np.testing.assert_array_equal(got, kernels.select(scores, 16, 4, 16))
 

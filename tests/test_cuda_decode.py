@@ -1,7 +1,7 @@
 """Spotlight decode on a GPU against the CPU path, end to end through the model. Issue #3.
 
 Every test here carries the gpu marker (skipped without a CUDA device). The kernels' own
-brute-force comparisons are in test_kernels.py and test_twolevel.py; these run the whole decode
+brute-force comparisons are in test_kernels.py; these run the whole decode
 path: key codes packed into a device cache, query codes, the fused score + select on the device,
 the gathered attention. In float64 the two devices' activations agree to ~1e-7 (RMSNorm
 normalises in float32, in another summation order on each device); no code bit of these seeded

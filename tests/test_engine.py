@@ -78,20 +78,15 @@ def test_rows_round_trip_gives_the_same_next_token_logits(spotlight):
     assert rows.k.shape == (2, 2, 150, 16) and rows.k.dtype == torch.float16  # kv_dtype auto on the CPU
     if spotlight:
         assert rows.key_codes.dtype == np.uint64 and rows.key_codes.shape == (2, 2, 1, 150)
-        assert rows.code_summary.shape == (2, 2, 64)
     else:
-        assert rows.key_codes is None and rows.code_summary is None
+        assert rows.key_codes is None
     restored = engine.new_context()
     restored.reserve(150)
-    first, second = original.rows(0, 100), original.rows(100, 150)
-    restored.append_rows(first)
-    restored.mark_span(0, 100, first.code_summary)
-    restored.append_rows(second)
-    restored.mark_span(100, 150, second.code_summary)
+    restored.append_rows(original.rows(0, 100))
+    restored.append_rows(original.rows(100, 150))
     assert restored.tokens == original.tokens
     if spotlight:
         np.testing.assert_array_equal(restored.rows(0, 150).key_codes, rows.key_codes)
-        assert restored.cache.spans.starts.tolist() == [0, 100]
     torch.testing.assert_close(next_logits(engine, restored), next_logits(engine, original), rtol=0, atol=0)
 
 
@@ -321,7 +316,6 @@ def test_cuda_rows_are_host_copies_that_a_cpu_context_takes():
     rows = gpu.rows(0, 40)
     assert rows.k.device.type == "cpu" and rows.key_codes.dtype == np.uint64
     np.testing.assert_array_equal(rows.key_codes, host.key_codes)
-    np.testing.assert_array_equal(rows.code_summary, host.code_summary)
     cpu.append_rows(rows)
     torch.testing.assert_close(cpu.rows(0, 40).k, host.k, rtol=0, atol=0)
     assert cpu.tokens == gpu.tokens == host.token_ids
@@ -377,7 +371,7 @@ def test_a_spotlight_conversation_on_the_cpu_never_imports_numba():
             "    ctx = e.new_context(n + 8)\n"
             "    steps = list(e.stream(ctx, essay_ids(e.tokenizer, n), SamplingConfig(max_new_tokens=4)))\n"
             "rows = ctx.rows(0, 1000)\n"
-            "print(len(ctx.tokens) > e.native_window, rows.code_summary.shape[0] == e.args.n_layers, "
+            "print(len(ctx.tokens) > e.native_window, rows.key_codes.shape[0] == e.args.n_layers, "
             "'numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, TEST_MODEL, str(TEST_HOME)], cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
