@@ -134,22 +134,56 @@ def cpu_row(label: str, model: str, n: int, pool, rng, repeats: int, bandwidth: 
             "ratio to all-core read": fused_us / (code_bytes / max(bandwidth.values()) * 1e6)}
 
 
+def planes_row(label: str, model: str, n: int, pool, rng, repeats: int, bandwidth: dict) -> dict:
+    """cpu_row for the app's flat scan on the CPU: the codes' byte planes (kernels/scan.c), one block."""
+    hkv, group, _ = MODELS[model]
+    words = kernels.words_for(BITS)
+    planes = []
+    for codes in layer_codes(pool, hkv, words, n):  # the same rotating codes, as byte planes (as many bytes)
+        planes.append(np.empty((hkv, 8 * words, n), np.uint8))
+        kernels.write_planes(codes, 0, n, planes[-1])
+    planes = Rotation(planes)
+    q = rng.integers(0, 2**64, size=(hkv * group, words), dtype=np.uint64)
+    k = int(RATIO * n)
+    layout = kernels.selection_layout(n, k, SINKS, WINDOW)
+    out, bounds = np.empty((hkv, layout.size), np.int32), np.array([layout.sinks_end, layout.window_start])
+    scratch = kernels.PlaneScratch(hkv * group, hkv, 8 * words, n)
+    fused_us, fused_best = timings_us(lambda: kernels.planes_select_blocks(
+        q[None], planes(), n, bounds, k, SINKS, WINDOW, out=out, scratch=scratch), repeats)
+    code_bytes = hkv * words * 8 * n
+    floor_us = code_bytes / bandwidth["numpy 1 thread"] * 1e6
+    return {"part": "score + select per layer", "backend": label, "model": model, "Hkv": hkv, "G": group,
+            "N": n, "k": k, "codes MiB": code_bytes / 2**20, "floor us": floor_us, "scores us": None,
+            "select us": None, "score_select us": fused_us, "score_select best us": fused_best,
+            "ratio to floor": fused_us / floor_us,
+            "ratio to all-core read": fused_us / (code_bytes / max(bandwidth.values()) * 1e6)}
+
+
 def cpu_part(sizes: dict, pool, rng, bandwidth: dict) -> tuple[list[dict], list[Target]]:
-    """Rows for the default thread count (1; the targets) and for all cores, plus the numpy fallback."""
+    """Rows for the default thread count (1) and for all cores: the app's scan on byte planes (the
+    targets, where kernels/scan.c is built) and numba's word-major one; plus the numpy fallback."""
     import numba
 
     rows, targets = [], []
     default, cores = cpu.threads(), numba.config.NUMBA_NUM_THREADS
     for model in MODELS:
+        hkv, group, _ = MODELS[model]
+        planes = kernels.planes_fit(hkv * group, hkv, kernels.words_for(BITS))
         for n in sizes["contexts"]:
             for count in sorted({default, cores}):
                 kernels.set_threads(count)
-                label = f"numba {count} thr" + (" (default)" if count == default else "")
-                rows.append(cpu_row(label, model, n, pool, rng, sizes["repeats"], bandwidth))
-                log(f"{label} {model} N={n}: {rows[-1]['score_select us']:.0f} us")
+                mark = " (default)" if count == default else ""
+                if planes:
+                    rows.append(planes_row(f"byte planes {count} thr{mark}", model, n, pool, rng, sizes["repeats"],
+                                           bandwidth))
+                    log(f"byte planes {count} thr {model} N={n}: {rows[-1]['score_select us']:.0f} us")
+                    target_row = rows[-1]
+                rows.append(cpu_row(f"numba {count} thr", model, n, pool, rng, sizes["repeats"], bandwidth))
+                log(f"numba {count} thr {model} N={n}: {rows[-1]['score_select us']:.0f} us")
                 if count == default and n >= TARGET_FROM:
-                    targets.append(Target(f"cpu score+select / floor, {model}, N={n}", rows[-1]["ratio to floor"],
-                                          TARGET_RATIO, higher_is_better=False))
+                    row = target_row if planes else rows[-1]
+                    targets.append(Target(f"cpu score+select / floor ({row['backend'].split(' thr')[0]}), {model}, "
+                                          f"N={n}", row["ratio to floor"], TARGET_RATIO, higher_is_better=False))
             kernels.set_threads(default)
             if n <= sizes["numpy_up_to"]:
                 with kernels.use_backend("numpy"):
@@ -501,9 +535,11 @@ def main(argv=None):
             + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items())
             + ". `floor us` = bytes of codes / numpy's read; `ratio to all-core read` divides by the faster "
             f"all-core read instead. Times are medians of repeated calls (`best` = fastest); the machine is "
-            f"shared, so parallel rows can include waits for a busy core. CPU: {cpu_features()}. `numba` rows: the "
-            f"project's kernels at the default thread count and on all cores; `numpy`: the pure-numpy fallback "
-            f"(np.bitwise_count). Decode attention rows: K and V of one layer rotate over 512 MiB. "
+            f"shared, so parallel rows can include waits for a busy core. CPU: {cpu_features()}. `byte planes` rows: "
+            f"the app's flat scan on the CPU where kernels/scan.c is built (the codes also kept as byte planes, "
+            f"as many bytes; score and select in one call), the targets' rows; `numba` rows: the word-major "
+            f"kernels (the app's scan where scan.c is not built), at the default thread count and on all cores; "
+            f"`numpy`: the pure-numpy fallback (np.bitwise_count). Decode attention rows: K and V of one layer rotate over 512 MiB. "
             f"The CUDA rows have their own section (`--part cuda`).")
     if args.part in ("all", "kernels"):
         finish("retrieval", args, rows, targets, title="Retrieval kernels (score + select)", notes="\n\n".join(notes))
