@@ -15,8 +15,8 @@ prefix itself is content-addressed: `CacheKey.prefix_hash(prefix ids)` is the sa
 conversation with the same system prompt and documents under the same model and encoders.
 
 Layout (`plan`): the prefix is cut where a document segment ends, so each document segment
-(cut once at ingest, chat/documents.py) is its own span with its own code table (a document's
-spans are shared by every conversation that attaches it). The first span also holds
+(cut once at ingest, chat/documents.py) is its own span with its own code table (the key
+codes of its tokens) and its segment id. The first span also holds
 the template and the system prompt, tags between documents go with the next document's
 first segment, the last span runs to the prefix's end. Then one span per message. Anything
 longer than SPAN_TOKENS is cut in blocks.

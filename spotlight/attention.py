@@ -26,7 +26,7 @@ Past the model's native window (`cache.args.max_seq_len`) every layer, dense lay
 reads sinks + `far_window` recent tokens + `far_retrieved` selected ones, re-positioned inside
 the trained range (spotlight/beyond.py); a prefill chunk there selects `far_prefill_retrieved`
 once for all its queries by their majority code. With `far_fold` (the default) the candidates are scored in blocks, each
-by the query turned back to see them about where they will be read (`select_far`: the flat scan,
+by the query turned back to see them about where they will be read (`select_far`: the flat scan);
 with 0, at their true distances (`select_chunk` / `select`). Within the
 window nothing of this runs.
 
