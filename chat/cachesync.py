@@ -142,8 +142,7 @@ def to_span_tensors(rows: KVRows) -> SpanTensors:
 
 
 def to_rows(span: memory.SpanFile) -> KVRows:
-    """A span read back from its mapped file (views, no copy) as engine rows (a code summary that
-    files written before session 38 hold is not read: nothing selects by it since)."""
+    """A span read back from its mapped file (views, no copy) as engine rows."""
     views = span.to_torch()
     return KVRows(k=views.k, v=views.v, key_codes=span.key_codes, token_ids=span.token_ids.tolist())
 

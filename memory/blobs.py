@@ -10,13 +10,13 @@ A span file is a standard safetensors file (`safetensors.safe_open` reads it):
 holding, in this order in the data (8-byte types first, so every view is aligned):
 
     key_codes     [L, Hkv, W, T] uint64   absent for a model without encoders
-    code_summary  [L, Hkv, 64 W] int32    per-bit counts of key_codes over the span's tokens
-                                          (its summary for two-level retrieval); optional
     token_ids     [T] int64
     k             [L, Hkv, T, D] float32 | float16 | bfloat16 (raw 16-bit words)
     v             [L, Hkv, T, D] same dtype as k
 
-and metadata strings: format, model_fp, encoder_fp, prefix_digest, dtype, start_pos,
+(files written before session 38 may also hold `code_summary` [L, Hkv, 64 W] int32 after
+key_codes, per-bit counts that two-level retrieval read; reading maps every tensor the header
+lists and returns the ones above, so such files stay valid) and metadata strings: format, model_fp, encoder_fp, prefix_digest, dtype, start_pos,
 n_tokens (files written before migration m003 have no prefix_digest and the packed
 encoder_fp "<enc or 'dense'>+prefix:<digest>"; reading splits it, see `records.SpanKey`).
 
@@ -71,7 +71,7 @@ _ST_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint64": "
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U64": np.uint64, "I64": np.int64,
               "I32": np.int32}
 KV_DTYPES = ("float32", "float16", "bfloat16")
-_ORDER = ("key_codes", "code_summary", "token_ids", "k", "v")  # code_summary is 256-byte multiples: aligned
+_ORDER = ("key_codes", "token_ids", "k", "v")  # 8-byte types first: every view aligned
 
 
 @dataclass(slots=True)
@@ -81,14 +81,12 @@ class SpanTensors:
     k, v: [L, Hkv, T, D] float32 / float16 / bfloat16 (same dtype and shape).
     token_ids: [T] integers (stored as int64).
     key_codes: [L, Hkv, W, T] uint64, or None for a model without encoders.
-    code_summary: [L, Hkv, 64 W] int32 per-bit counts of key_codes, or None (needs key_codes).
     """
 
     k: Any
     v: Any
     token_ids: Any
     key_codes: Any = None
-    code_summary: Any = None
 
 
 @dataclass(slots=True)
@@ -106,7 +104,6 @@ class SpanFile:
     key: SpanKey
     start_pos: int
     n_tokens: int
-    code_summary: Any = None  # [L, Hkv, 64 W] int32, or None (files written without it)
 
     def to_torch(self) -> "SpanFile":
         """The same span with torch tensors sharing the mapped memory (no copy)."""
@@ -118,8 +115,7 @@ class SpanFile:
         k, v = convert(self.k), convert(self.v)
         if self.dtype == "bfloat16":
             k, v = k.view(torch.bfloat16), v.view(torch.bfloat16)
-        return replace(self, k=k, v=v, token_ids=convert(self.token_ids), key_codes=convert(self.key_codes),
-                       code_summary=convert(self.code_summary))
+        return replace(self, k=k, v=v, token_ids=convert(self.token_ids), key_codes=convert(self.key_codes))
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,16 +165,6 @@ def prepare(tensors: SpanTensors) -> PreparedSpan:
                 f"got {codes.shape} {codes_dtype}"
             )
         arrays["key_codes"] = codes
-    if tensors.code_summary is not None:
-        summary, summary_dtype = _to_numpy(tensors.code_summary)
-        if tensors.key_codes is None or summary_dtype != "int32" or summary.shape != (
-            n_layers, n_kv_heads, arrays["key_codes"].shape[2] * 64
-        ):
-            raise MalformedSpan(
-                f"code_summary must be [L={n_layers}, Hkv={n_kv_heads}, 64 W] int32 next to key_codes, "
-                f"got {summary.shape} {summary_dtype}"
-            )
-        arrays["code_summary"] = summary
     arrays["k"], arrays["v"] = k, v
     little = {name: np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for name, a in arrays.items()}
     return PreparedSpan(arrays=little, dtype=k_dtype, n_tokens=n_tokens)
@@ -324,7 +310,6 @@ def _parse(mapped: mmap.mmap, size: int) -> SpanFile:
         v=arrays["v"],  # [L, Hkv, T, D]
         token_ids=arrays["token_ids"],  # [T]
         key_codes=arrays.get("key_codes"),  # [L, Hkv, W, T] or None
-        code_summary=arrays.get("code_summary"),  # [L, Hkv, 64 W] or None
         dtype=meta["dtype"],
         key=_file_key(meta),
         start_pos=int(meta["start_pos"]),

@@ -95,17 +95,32 @@ def test_codes_absent_or_empty(tmp_path):
     assert span.key_codes.shape == (L, HKV, 0, T)
 
 
-def test_code_summary_round_trips_in_an_aligned_file(tmp_path):
-    """Issue #6 part 3: a span carries its codes' summary for two-level retrieval."""
+def test_a_file_written_with_a_code_summary_still_reads(tmp_path):
+    """Files written before session 38 hold `code_summary` (per-bit code counts, read by the retired
+    two-level retrieval) between key_codes and token_ids: reading returns the same span without it."""
+    import json
+
     tensors = make_tensors()
-    tensors.code_summary = np.arange(L * HKV * 64 * W, dtype=np.int32).reshape(L, HKV, 64 * W)
-    written = write(tmp_path, tensors)
-    span = read(tmp_path, written)
-    np.testing.assert_array_equal(span.code_summary, tensors.code_summary)
+    prepared = blobs.prepare(tensors)
+    summary = np.arange(L * HKV * 64 * W, dtype=np.int32).reshape(L, HKV, 64 * W)
+    arrays = {"key_codes": prepared.arrays["key_codes"], "code_summary": summary,
+              "token_ids": prepared.arrays["token_ids"], "k": prepared.arrays["k"], "v": prepared.arrays["v"]}
+    header, offset = {"__metadata__": blobs.span_metadata(prepared, KEY, 7)}, 0
+    for name, array in arrays.items():
+        code = {"uint64": "U64", "int32": "I32", "int64": "I64", "float32": "F32"}[array.dtype.name]
+        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    data = len(text).to_bytes(8, "little") + text + b"".join(a.tobytes() for a in arrays.values())
+    (tmp_path / "old.safetensors").write_bytes(data)
+    span = blobs.read_span_file(tmp_path / "old.safetensors", "old", len(data),
+                                f"{blobs.CHECKSUM_ALGO}:{blobs.checksum(data)}")
+    np.testing.assert_array_equal(span.k, tensors.k)
     np.testing.assert_array_equal(span.key_codes, tensors.key_codes)
-    assert all(array.ctypes.data % 8 == 0 for array in (span.key_codes, span.code_summary, span.token_ids, span.k))
-    assert torch.equal(span.to_torch().code_summary, torch.from_numpy(tensors.code_summary))
-    assert read(tmp_path, write(tmp_path, make_tensors(), "b.safetensors")).code_summary is None
+    assert (span.token_ids.tolist(), span.key, span.start_pos) == ([100, 101, 102, 103, 104], KEY, 7)
+    with safe_open(str(tmp_path / "old.safetensors"), framework="numpy") as f:  # a standard file, as written
+        np.testing.assert_array_equal(f.get_tensor("code_summary"), summary)
 
 
 def test_views_are_copy_on_write(tmp_path):
@@ -184,9 +199,6 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
         (dict(token_ids=np.arange(T - 1)), "token_ids must be"),
         (dict(key_codes=np.zeros((L, HKV, W, T), np.int64)), "key_codes must be"),
         (dict(key_codes=np.zeros((L, HKV, W, T + 1), np.uint64)), "key_codes must be"),
-        (dict(code_summary=np.zeros((L, HKV, 64 * W), np.int64)), "code_summary must be"),
-        (dict(code_summary=np.zeros((L, HKV, 64), np.int32)), "code_summary must be"),
-        (dict(key_codes=None, code_summary=np.zeros((L, HKV, 64 * W), np.int32)), "code_summary must be"),
     ],
 )
 def test_prepare_rejects_bad_shapes(change, message):
