@@ -123,15 +123,22 @@ def cpu_row(label: str, model: str, n: int, pool, rng, repeats: int, bandwidth: 
     scratch = kernels.make_scratch(q, codes())
     score_us = median_us(lambda: kernels.scores(q, codes(), n, out=scored), repeats)
     select_us = median_us(lambda: kernels.select(scored, k, SINKS, WINDOW, out=out, scratch=scratch), repeats)
-    fused_us, fused_best = timings_us(
-        lambda: kernels.score_select(q, codes(), n, k, SINKS, WINDOW, out=out, scratch=scratch), repeats)
-    code_bytes = hkv * words * 8 * n
+    fused = timings_us(lambda: kernels.score_select(q, codes(), n, k, SINKS, WINDOW, out=out, scratch=scratch),
+                       repeats)
+    return _score_select_row(label, model, n, k, bandwidth, fused, score_us, select_us)
+
+
+def _score_select_row(label: str, model: str, n: int, k: int, bandwidth: dict, fused: tuple[float, float],
+                      score_us: float | None = None, select_us: float | None = None) -> dict:
+    """One row of the score + select table: fused (median, best) us against the codes' read floor."""
+    hkv, group, _ = MODELS[model]
+    code_bytes = hkv * kernels.words_for(BITS) * 8 * n
     floor_us = code_bytes / bandwidth["numpy 1 thread"] * 1e6
     return {"part": "score + select per layer", "backend": label, "model": model, "Hkv": hkv, "G": group,
-            "N": n, "k": k, "codes MiB": hkv * words * 8 * n / 2**20, "floor us": floor_us,
-            "scores us": score_us, "select us": select_us, "score_select us": fused_us,
-            "score_select best us": fused_best, "ratio to floor": fused_us / floor_us,
-            "ratio to all-core read": fused_us / (code_bytes / max(bandwidth.values()) * 1e6)}
+            "N": n, "k": k, "codes MiB": code_bytes / 2**20, "floor us": floor_us, "scores us": score_us,
+            "select us": select_us, "score_select us": fused[0], "score_select best us": fused[1],
+            "ratio to floor": fused[0] / floor_us,
+            "ratio to all-core read": fused[0] / (code_bytes / max(bandwidth.values()) * 1e6)}
 
 
 def planes_row(label: str, model: str, n: int, pool, rng, repeats: int, bandwidth: dict) -> dict:
@@ -148,15 +155,9 @@ def planes_row(label: str, model: str, n: int, pool, rng, repeats: int, bandwidt
     layout = kernels.selection_layout(n, k, SINKS, WINDOW)
     out, bounds = np.empty((hkv, layout.size), np.int32), np.array([layout.sinks_end, layout.window_start])
     scratch = kernels.PlaneScratch(hkv * group, hkv, 8 * words, n)
-    fused_us, fused_best = timings_us(lambda: kernels.planes_select_blocks(
-        q[None], planes(), n, bounds, k, SINKS, WINDOW, out=out, scratch=scratch), repeats)
-    code_bytes = hkv * words * 8 * n
-    floor_us = code_bytes / bandwidth["numpy 1 thread"] * 1e6
-    return {"part": "score + select per layer", "backend": label, "model": model, "Hkv": hkv, "G": group,
-            "N": n, "k": k, "codes MiB": code_bytes / 2**20, "floor us": floor_us, "scores us": None,
-            "select us": None, "score_select us": fused_us, "score_select best us": fused_best,
-            "ratio to floor": fused_us / floor_us,
-            "ratio to all-core read": fused_us / (code_bytes / max(bandwidth.values()) * 1e6)}
+    fused = timings_us(lambda: kernels.planes_select_blocks(q[None], planes(), n, bounds, k, SINKS, WINDOW, out=out,
+                                                            scratch=scratch), repeats)
+    return _score_select_row(label, model, n, k, bandwidth, fused)
 
 
 def cpu_part(sizes: dict, pool, rng, bandwidth: dict) -> tuple[list[dict], list[Target]]:
