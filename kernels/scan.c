@@ -8,10 +8,12 @@
 
    Byte planes: byte j of a token's code (bits 8j..8j+7, word j / 8) is planes[h, j, t], so 32
    consecutive tokens' byte j are one 256-bit load. With Q_b = how many of the G query codes set bit
-   b, a token scores sum_b (G - Q_b) + sum over its set bits of (2 Q_b - G): a base per head and
-   block plus, per byte, two 16-entry int8 tables (the sums of 2 Q_b - G over a nibble's set bits,
-   |entry| <= 4 G) read by pshufb. Two planes' entries add in int8 while 16 G <= 127 (G <= 7; one
-   plane at a time up to G = 15), then widen to int16 (scores <= G * 64 W < 32768).
+   b, a token's score is its agreements: sum over its set bits of Q_b and over its clear bits of
+   G - Q_b. Per byte, two 16-entry uint8 tables (a nibble's four bits' agreements, at most 4 G) read
+   by pshufb; the planes' entries add in uint8 while 8 G K <= 255 (K planes: 8 for G <= 3, 4 for
+   G <= 7, 2 up to G = 15), then widen to int16 (scores <= G * 64 W < 32768). Before session 39
+   the tables held signed sums of 2 Q_b - G beside a base, and two planes added in int8: 8-18 %
+   slower (docs/DECISIONS.md, "The far scan's planes add in uint8").
 
    Per head, one head per thread: the middle's scores into `scores` (int16); a bound from an even
    sample of them (twice the retrieved share); the tokens at or above it, in index order (a vector
@@ -21,7 +23,8 @@
    collection or the picks depends on a score. Measured (docs/DECISIONS.md, "The far scan reads the
    key codes as byte planes" and "Branch-free candidates"): 24 layers at 131K tokens in 11.1-11.6 ms
    on one Zen 3 thread (AVX2) and 6.6-8.6 on two, where numba's word-major scan took 18.9-19.2 and
-   10.5-11.1. */
+   10.5-11.1; with the uint8 sums (session 39, random codes, the two builds in turn, best of 7) 11.2 ms
+   against 12.2 on one thread, 6.0 against 6.5 on two. */
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -53,63 +56,78 @@ int planes_write(const uint64_t *codes, int64_t hkv, int64_t words, int64_t ncap
 }
 
 /* One head's tables for query codes q (G, W) (row-major, words per code W): tab[p][0 | 1][v], the
-   low and high nibble of plane p; returns the base sum_b (G - Q_b). */
-static int32_t make_tables(const uint64_t *q, int64_t group, int64_t words, int8_t tab[][2][16]) {
-    int32_t base = 0;
+   low and high nibble of plane p: how many of the G query codes agree with the nibble's four key bits
+   when they read v (a set bit b agrees with Q_b of them, a clear one with G - Q_b), at most 4 G. */
+static void make_tables(const uint64_t *q, int64_t group, int64_t words, uint8_t tab[][2][16]) {
     for (int64_t p = 0; p < 8 * words; p++) {
-        int32_t weight[8];
+        int32_t set[8];
         for (int i = 0; i < 8; i++) {
             int64_t bit = 8 * p + i;
-            int32_t set = 0;
-            for (int64_t g = 0; g < group; g++) set += (int32_t)((q[g * words + bit / 64] >> (bit % 64)) & 1);
-            weight[i] = 2 * set - (int32_t)group;
-            base += (int32_t)group - set;
+            set[i] = 0;
+            for (int64_t g = 0; g < group; g++) set[i] += (int32_t)((q[g * words + bit / 64] >> (bit % 64)) & 1);
         }
         for (int half = 0; half < 2; half++)
             for (int v = 0; v < 16; v++) {
                 int32_t s = 0;
-                for (int i = 0; i < 4; i++)
-                    if (v >> i & 1) s += weight[4 * half + i];
-                tab[p][half][v] = (int8_t)s;
+                for (int i = 0; i < 4; i++) s += v >> i & 1 ? set[4 * half + i] : (int32_t)group - set[4 * half + i];
+                tab[p][half][v] = (uint8_t)s;
             }
     }
-    return base;
 }
 
+/* How many planes' agreements add in uint8 before widening: a plane adds at most 8 G, so K of them
+   while 8 G K <= 255; a power of two that divides the planes (8 W of them). */
+static int64_t planes_per_sum(int64_t group, int64_t nplanes) {
+    int64_t k = 8;
+    while (k > 1 && (8 * group * k > 255 || nplanes % k)) k /= 2;
+    return k;
+}
+
+#if defined(__AVX2__)
+/* Tokens [t, end) (a multiple of 32) of planes [p, p + K): their agreements summed in uint8, then
+   widened into scores (stored when `first`, else added). K is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void score_planes(uint8_t tab[][2][16], const uint8_t *planes,
+                                                                int64_t pcap, int64_t p, int64_t t, int64_t end,
+                                                                int first, int16_t *scores, const int K) {
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    __m256i lo[8], hi[8];
+    for (int i = 0; i < K; i++) {
+        lo[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab[p + i][0]));
+        hi[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab[p + i][1]));
+    }
+    for (int64_t u = t; u < end; u += 32) {
+        __m256i s = _mm256_setzero_si256();
+        for (int i = 0; i < K; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(planes + (p + i) * pcap + u));
+            s = _mm256_add_epi8(s, _mm256_add_epi8(_mm256_shuffle_epi8(lo[i], _mm256_and_si256(v, nib)),
+                                                   _mm256_shuffle_epi8(hi[i], _mm256_and_si256(_mm256_srli_epi16(v, 4), nib))));
+        }
+        __m256i a = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(s));
+        __m256i b = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(s, 1));
+        if (!first) {
+            a = _mm256_add_epi16(a, _mm256_loadu_si256((const __m256i *)(scores + u)));
+            b = _mm256_add_epi16(b, _mm256_loadu_si256((const __m256i *)(scores + u + 16)));
+        }
+        _mm256_storeu_si256((__m256i *)(scores + u), a);
+        _mm256_storeu_si256((__m256i *)(scores + u + 16), b);
+    }
+}
+#endif
+
 /* scores[t] for tokens [lo, hi) of one head: planes (P, Pcap) of that head. Tiles of TILE tokens:
-   each plane (pair) keeps its two tables in registers over the tile, whose int16 scores stay in L1. */
-static void score_run(int8_t tab[][2][16], int32_t base, int64_t nplanes, int64_t group, const uint8_t *planes,
+   each group of planes keeps its tables in registers over the tile, whose int16 scores stay in L1. */
+static void score_run(uint8_t tab[][2][16], int64_t nplanes, int64_t group, const uint8_t *planes,
                       int64_t pcap, int64_t lo, int64_t hi, int16_t *scores) {
     int64_t t = lo;
 #if defined(__AVX2__)
-    const __m256i nib = _mm256_set1_epi8(0x0f), vbase = _mm256_set1_epi16((int16_t)base);
-    const int64_t step = group <= 7 ? 2 : 1;  /* planes added in int8 before widening */
+    const int64_t k = planes_per_sum(group, nplanes);
     for (; t + 32 <= hi; t += TILE) {
         int64_t end = t + TILE <= hi ? t + TILE : t + (hi - t) / 32 * 32;
-        for (int64_t u = t; u < end; u += 16) _mm256_storeu_si256((__m256i *)(scores + u), vbase);
-        for (int64_t p = 0; p < nplanes; p += step) {
-            __m256i l0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab[p][0]));
-            __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab[p][1]));
-            __m256i l1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab[p + step - 1][0]));
-            __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)tab[p + step - 1][1]));
-            const uint8_t *row0 = planes + p * pcap, *row1 = planes + (p + step - 1) * pcap;
-            for (int64_t u = t; u < end; u += 32) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(row0 + u));
-                __m256i s = _mm256_add_epi8(_mm256_shuffle_epi8(l0, _mm256_and_si256(v, nib)),
-                                            _mm256_shuffle_epi8(h0, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib)));
-                if (step == 2) {
-                    __m256i w = _mm256_loadu_si256((const __m256i *)(row1 + u));
-                    s = _mm256_add_epi8(s, _mm256_add_epi8(
-                        _mm256_shuffle_epi8(l1, _mm256_and_si256(w, nib)),
-                        _mm256_shuffle_epi8(h1, _mm256_and_si256(_mm256_srli_epi16(w, 4), nib))));
-                }
-                __m256i a = _mm256_loadu_si256((const __m256i *)(scores + u));
-                __m256i b = _mm256_loadu_si256((const __m256i *)(scores + u + 16));
-                _mm256_storeu_si256((__m256i *)(scores + u),
-                                    _mm256_add_epi16(a, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(s))));
-                _mm256_storeu_si256((__m256i *)(scores + u + 16),
-                                    _mm256_add_epi16(b, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(s, 1))));
-            }
+        for (int64_t p = 0; p < nplanes; p += k) {
+            if (k == 8) score_planes(tab, planes, pcap, p, t, end, p == 0, scores, 8);
+            else if (k == 4) score_planes(tab, planes, pcap, p, t, end, p == 0, scores, 4);
+            else if (k == 2) score_planes(tab, planes, pcap, p, t, end, p == 0, scores, 2);
+            else score_planes(tab, planes, pcap, p, t, end, p == 0, scores, 1);
         }
         if (end < t + TILE) {  /* the run's last whole 32 tokens are scored: the rest below */
             t = end;
@@ -118,7 +136,7 @@ static void score_run(int8_t tab[][2][16], int32_t base, int64_t nplanes, int64_
     }
 #endif
     for (; t < hi; t++) {  /* the run's last tokens (all of them without AVX2) */
-        int32_t s = base;
+        int32_t s = 0;
         for (int64_t p = 0; p < nplanes; p++) {
             uint8_t v = planes[p * pcap + t];
             s += tab[p][0][v & 15] + tab[p][1][v >> 4];
@@ -174,11 +192,11 @@ static void select_head(const uint64_t *q, int64_t blocks, int64_t heads, int64_
                         const uint8_t *planes, int64_t pcap, int64_t h, int64_t group, int64_t retrieved,
                         int32_t *out, int16_t *scores, int32_t *cand, int64_t *hist) {
     int64_t nplanes = 8 * words, bins = group * 64 * words + 1, lo = bounds[0], hi = bounds[blocks];
-    int8_t tab[MAX_PLANES][2][16];
+    uint8_t tab[MAX_PLANES][2][16];
     for (int64_t r = 0; r < blocks; r++) {
         if (bounds[r] >= bounds[r + 1]) continue;
-        int32_t base = make_tables(q + (r * heads + h * group) * words, group, words, tab);
-        score_run(tab, base, nplanes, group, planes, pcap, bounds[r], bounds[r + 1], scores);
+        make_tables(q + (r * heads + h * group) * words, group, words, tab);
+        score_run(tab, nplanes, group, planes, pcap, bounds[r], bounds[r + 1], scores);
     }
     /* the bound: the score that twice the retrieved share of an even sample reaches (+ SAMPLE_SLACK) */
     int64_t middle = hi - lo, stride = middle / SAMPLE > 1 ? middle / SAMPLE : 1, sampled = 0;
