@@ -414,6 +414,29 @@ def test_the_byte_plane_scan_selects_right_where_an_even_sample_of_the_scores_mi
 
 
 @needs_planes
+@pytest.mark.parametrize("group, words", [(1, 2), (3, 2), (7, 2), (8, 2), (15, 1), (4, 4)])
+def test_the_byte_plane_scan_sums_full_agreement_without_overflow(group, words):
+    """Every query code of a head the same and keys that agree with it on every bit, on none, or on
+    some: scan.c adds up to 8 planes' agreements in uint8 before widening (8 G per plane at most), so
+    the extreme scores (G * 64 W and 0) must come out exact and rank first and last."""
+    rng = np.random.default_rng(group * 10 + words)
+    n, budget, hkv = 2000, 300, 2
+    code = rng.integers(0, 2**64, size=(hkv, words), dtype=np.uint64)  # one code per KV head
+    q = np.repeat(code, group, axis=0)[None]  # (1, H, W): the G query codes of a head all equal
+    k = rng.integers(0, 2**64, size=(hkv, words, n), dtype=np.uint64)
+    k[:, :, 100:1700:9] = code[:, :, None]  # full agreement: score G * 64 W
+    k[:, :, 105:1700:9] = ~code[:, :, None]  # none: score 0
+    planes = np.zeros((hkv, 8 * words, n), np.uint8)
+    kernels.write_planes(k, 0, n, planes)
+    layout = kernels.selection_layout(n, budget, SINKS, 256)
+    bounds = [layout.sinks_end, layout.window_start]
+    got = kernels.planes_select_blocks(q, planes, n, bounds, budget, SINKS, 256)
+    scores = ref_scores_blocks(q, k, n, bounds)
+    assert scores[:, 100:1700:9].min() == group * 64 * words and scores[:, 105:1700:9].max() == 0
+    np.testing.assert_array_equal(got, ref_select_fast(scores, budget, SINKS, 256))
+
+
+@needs_planes
 def test_byte_planes_hold_byte_j_of_every_code_in_row_j():
     rng = np.random.default_rng(3)
     _, k = random_codes(rng, 3, 1, 2, 700)
