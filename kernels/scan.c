@@ -75,6 +75,7 @@ static void make_tables(const uint64_t *q, int64_t group, int64_t words, uint8_t
     }
 }
 
+#if defined(__AVX2__)
 /* How many planes' agreements add in uint8 before widening: a plane adds at most 8 G, so K of them
    while 8 G K <= 255; a power of two that divides the planes (8 W of them). */
 static int64_t planes_per_sum(int64_t group, int64_t nplanes) {
@@ -83,7 +84,6 @@ static int64_t planes_per_sum(int64_t group, int64_t nplanes) {
     return k;
 }
 
-#if defined(__AVX2__)
 /* Tokens [t, end) (a multiple of 32) of planes [p, p + K): their agreements summed in uint8, then
    widened into scores (stored when `first`, else added). K is a constant where it is inlined. */
 static inline __attribute__((always_inline)) void score_planes(uint8_t tab[][2][16], const uint8_t *planes,
