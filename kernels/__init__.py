@@ -14,9 +14,10 @@ results; the semantics (bit order, scores, the tie rule) are written once in ker
 Decode-step attention (`attend`, `gather_attend`: exact softmax attention of one query step
 over all cached rows or over selected rows, reading them in place) lives in kernels/attend_cpu.py
 (CPU) and kernels/cuda.py; `mlp_codes` / `MlpCoder` (an encoder MLP + pack in one call) are CPU only
-(kernels/encode.py). The folded scan past the window also runs on byte planes of the codes (kernels/planes.py over kernels/scan.c, AVX2; CPU only):
-`write_planes`, `planes_select_blocks` (score_select_blocks' result), where `planes_fit`; the
-engine's flat scan inside the window reads them too.
+(kernels/encode.py). The folded scan past the window also runs on byte planes of the codes
+(kernels/planes.py over kernels/scan.c, AVX2; CPU only): `write_planes`, `planes_select_blocks`
+(score_select_blocks' result), where `planes_fit`; the engine's flat scan inside the window reads
+them too.
 
 numba: each module's JIT kernels sit in a sibling module (cpu_jit, attend_jit,
 encode_jit, linear_jit, quant_cpu) imported by the module's `jitted()` at the first call that

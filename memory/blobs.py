@@ -16,9 +16,10 @@ holding, in this order in the data (8-byte types first, so every view is aligned
 
 (files written before session 38 may also hold `code_summary` [L, Hkv, 64 W] int32 after
 key_codes, per-bit counts that two-level retrieval read; reading maps every tensor the header
-lists and returns the ones above, so such files stay valid) and metadata strings: format, model_fp, encoder_fp, prefix_digest, dtype, start_pos,
-n_tokens (files written before migration m003 have no prefix_digest and the packed
-encoder_fp "<enc or 'dense'>+prefix:<digest>"; reading splits it, see `records.SpanKey`).
+lists and returns the ones above, so such files stay valid) and metadata strings: format,
+model_fp, encoder_fp, prefix_digest, dtype, start_pos, n_tokens (files written before
+migration m003 have no prefix_digest and the packed encoder_fp "<enc or 'dense'>+prefix:<digest>";
+reading splits it, see `records.SpanKey`).
 
 Writing (`write_span_file`): a temporary name in the same directory (".<name>.tmp"),
 written straight from the arrays' buffers (no serialised copy), fsynced, renamed to

@@ -25,10 +25,10 @@ unless it lost recall; docs/DECISIONS.md, "Two-level retrieval retired").
 Past the model's native window (`cache.args.max_seq_len`) every layer, dense layers included,
 reads sinks + `far_window` recent tokens + `far_retrieved` selected ones, re-positioned inside
 the trained range (spotlight/beyond.py); a prefill chunk there selects `far_prefill_retrieved`
-once for all its queries by their majority code. With `far_fold` (the default) the candidates are scored in blocks, each
-by the query turned back to see them about where they will be read (`select_far`: the flat scan);
-with 0, at their true distances (`select_chunk` / `select`). Within the
-window nothing of this runs.
+once for all its queries by their majority code. With `far_fold` (the default) the candidates are
+scored in blocks, each by the query turned back to see them about where they will be read
+(`select_far`: the flat scan); with 0, at their true distances (`select_chunk` / `select`). Within
+the window nothing of this runs.
 
 Fast path (CPU, fp32 cache, numba): attention reads the selected rows in place
 (`kernels.gather_attend`, no gathered copies) and dense layers stream the cache once
