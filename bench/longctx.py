@@ -5,8 +5,9 @@ SmolLM2-135M (`--model`; its 8K window is what the lengths reach past). At each 
 Paul Graham essays (held out from the encoders' training) with NEEDLES planted at their depths,
 two formats (a number, a short phrase). It is prefilled once; then each needle's question is
 appended in turn, answered greedily (`stream`, a few tokens) and the context truncated back;
-the teacher-forced log-probability of the answer tokens right after the question is scored
-the same way (higher is better, 0 = certain). Side by side, in one run:
+the teacher-forced log-probability of the answer tokens (a phrase's opening quote included)
+after the question and the needle sentence's start is scored the same way (higher is better,
+0 = certain). Side by side, in one run:
 
 * `spotlight`: the app's path past the window (SpotlightConfig far_window / far_retrieved);
 * `sinks+window`: the same budget without retrieval (SinkWindowSelector, StreamingLLM);
@@ -64,12 +65,18 @@ class Needle:
 
     @property
     def frame(self) -> str:
-        """The sentence up to its answer: the reply's natural start, teacher-forced before the answer."""
-        return self.sentence[: self.sentence.index(self.answer)].rstrip(" ")
+        """The sentence up to its answer and the answer's opening quote: the reply's natural start,
+        teacher-forced before the answer.
+
+        NOTE: the quote is scored with the answer, not forced before it: after "is" the model
+        chooses between a quoted phrase and a number, and past the window it wrote another
+        needle's number there where the phrase, once its quote was forced, had a log-prob of
+        -0.04 (docs/DECISIONS.md, "The teacher-forced answer scores its opening quote")."""
+        return self.sentence[: self.sentence.index(self.answer)].rstrip(" '")
 
     @property
     def forced_answer(self) -> str:
-        """The answer as it follows `frame` in the sentence (its leading space included)."""
+        """The answer as it follows `frame` in the sentence (its leading space and quote included)."""
         return self.sentence[len(self.frame) : self.sentence.index(self.answer) + len(self.answer)]
 
 
@@ -479,8 +486,8 @@ def notes_for(engine, lengths, reference_tokens, seconds, essay_tokens: int) -> 
         f"city of Lisbon is 7481.\", \"The locker code at the Nairobi train station is 6137.\", ...) and {N_PHRASES} "
         f"phrases (\"The secret word for the old harbor is 'blue lantern'.\", ...), each with its own frame; it is prefilled once, "
         f"then each question is appended in turn, answered greedily ({NEW_TOKENS} tokens; found = the answer is in "
-        f"the reply) and truncated back; beside it the log-probability of the answer tokens teacher-forced after the "
-        f"question and the needle's own frame (e.g. \"The special magic number for the city of Lisbon is\", the replies' "
+        f"the reply) and truncated back; beside it the log-probability of the answer tokens (a phrase's opening quote included) "
+        f"teacher-forced after the question and the needle's own frame (e.g. \"The special magic number for the city of Lisbon is\", the replies' "
         f"natural start; 0 = certain). spotlight = the app's path past the window (sinks {cfg.sinks} + "
         f"retrieved {cfg.far_retrieved:,} re-positioned + last {cfg.far_window:,} tokens; far candidates scored "
         f"in blocks of {cfg.far_fold:,} by the query turned back to them (far_fold; 0 = at true distances); the question's last "

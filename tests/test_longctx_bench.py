@@ -40,7 +40,7 @@ def test_the_forced_reply_is_the_needle_sentence_up_to_its_answer():
     number, phrase = NEEDLES[0], NEEDLES[1]
     assert [(number.frame, number.forced_answer), (phrase.frame, phrase.forced_answer)] == [
         ("The special magic number for the city of Lisbon is", " 7481"),
-        ("The secret word for the old harbor is '", "blue lantern")]
+        ("The secret word for the old harbor is", " 'blue lantern")]
 
 
 def test_a_run_of_fewer_methods_tabulates_only_those_beside_the_reference():
