@@ -65,8 +65,8 @@ class Needle:
 
     @property
     def frame(self) -> str:
-        """The sentence up to its answer and the answer's opening quote: the reply's natural start,
-        teacher-forced before the answer.
+        """The sentence up to its answer, less the answer's opening quote: the reply's natural
+        start, teacher-forced before the answer.
 
         NOTE: the quote is scored with the answer, not forced before it: after "is" the model
         chooses between a quoted phrase and a number, and past the window it wrote another
