@@ -408,6 +408,8 @@ def _spread(tokens: list[tuple[int, int]]) -> str:
 
 def _notes(questions, skipped, system_prompt, penalty, tokens) -> str:
     """The section's notes; `tokens`: the (length, excerpt tokens) pairs measured."""
+    from spotlight.config import SpotlightConfig
+
     kinds = {}
     for q in questions:
         kinds[q.kind] = kinds.get(q.kind, 0) + 1
@@ -430,7 +432,8 @@ def _notes(questions, skipped, system_prompt, penalty, tokens) -> str:
         f"Spotlight runs each model's shipped trained encoders (spotlight/checkpoints/). seconds: the row's "
         f"questions; load_s: the model load (and conversion on first use). read_share: the mean share of the "
         f"context a decode step read (Turn.read_share; 1.0 = dense): Spotlight runs densely below "
-        f"SpotlightConfig.dense_below = 2048 cached tokens, so at 2K it equals dense by construction."
+        f"SpotlightConfig.dense_below = {SpotlightConfig.dense_below:,} cached tokens (at most the model's window), so "
+        f"below it it equals dense by construction."
     )
     if skipped:
         text += " Skipped: " + "; ".join(f"{doc}: {why}" for doc, why in skipped.items()) + "."

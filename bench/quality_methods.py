@@ -147,6 +147,9 @@ class RetrievalProbe:
     def dense_step(self, n_tokens: int) -> bool:
         return False  # each layer's decode scores the methods' selections
 
+    def step_key_coders(self, n_tokens: int, cache) -> None:
+        return None
+
     def decode(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         n = cache.length + 1
         H, _, D = q.shape

@@ -133,6 +133,13 @@ class Screen:
     window_full: bool  # the conversation leaves less room than a reply: offer a new chat with the documents
 
 
+def fitted_spotlight(spotlight: SpotlightConfig, model: ModelFacts) -> SpotlightConfig:
+    """`spotlight` as the engine runs it for `model`: dense_below at most the model's own window
+    (spotlight.beyond.fitted_config), so a context past the window is never called dense."""
+    window = model.model_window or model.window
+    return replace(spotlight, dense_below=min(spotlight.dense_below, window)) if window else spotlight
+
+
 def screen(sessions: list[SessionInfo], info: SessionInfo | None, history: list[ChatMessage],
            documents: list[DocumentInfo], config: AppConfig, model: ModelFacts, near: str | None = None,
            interrupted: bool = False) -> Screen:
@@ -146,7 +153,7 @@ def screen(sessions: list[SessionInfo], info: SessionInfo | None, history: list[
     choices, chosen = version_choices(history, near)
     messages = chat_messages(history)[0] + ([interrupted_message()] if interrupted else [])
     status = f"⚠ {INTERRUPTED}. {INTERRUPTED_HINT}" if interrupted else \
-        turn_line(last_stats(history), config.spotlight, model.window is not None and model.dense)
+        turn_line(last_stats(history), fitted_spotlight(config.spotlight, model), model.window is not None and model.dense)
     return Screen(session_choices(sessions), None if sessions else NO_SESSIONS,
                   f"### {as_text(info.title) if info else 'New conversation'}", messages,
                   chips_html(documents), gauge_html(use), status, choices, chosen, interrupted,

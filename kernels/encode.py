@@ -93,6 +93,17 @@ class MlpCoder:
                              and self.weights[0].shape[1] == self.weights[1].shape[1] == self.weights[2].shape[1])
         self._out = (None, 0)  # (array, its address)
 
+    @property
+    def native(self) -> bool:
+        """Whether encode.c's encode_rows codes one input per MLP (what `__call__` runs first)."""
+        return self._rows_native
+
+    @property
+    def spec_address(self) -> int:
+        """The address of encode_rows' spec (int64: R, D, F, C, S, depth, the weights' addresses),
+        for a compiled caller (kernels.quant.decode_step's key_codes); valid while this coder lives."""
+        return self._spec_address
+
     def __call__(self, x: np.ndarray, out: np.ndarray, *, native: bool = True) -> np.ndarray:
         """x: C-contiguous float32 (R, D) numpy; out: C-contiguous uint64 (R, W) numpy, written and returned.
 

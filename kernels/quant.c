@@ -1018,6 +1018,9 @@ __attribute__((weak)) int attend_decode(const float *q, int64_t heads, int64_t k
                   float *qs, float *stats, float *acc, float *out, int threads, int half,
                   const float *rot_lo, const float *rot_hi, int64_t rot_block, int64_t base, int64_t moved);
 
+/* encode.c's (a decode step's key codes: quant_decode_step_coded); weak, as attend_decode */
+__attribute__((weak)) int encode_rows(const int64_t *spec, const float *x, uint64_t *out, int threads);
+
 /* The kv_heads rows of head_dim values at src into dst's row `row` of each head (head_stride
    elements apart): fp16 (half) or fp32. */
 static void store_rows(const float *src, void *dst, int64_t kv_heads, int64_t head_dim, int64_t head_stride,
@@ -1042,12 +1045,20 @@ static void store_rows(const float *src, void *dst, int64_t kv_heads, int64_t he
    rotation. qs, stats, acc, attn: attend_decode's buffers (kernels/attend_cpu.py AttendScratch)
    for `splits` runs per head, attn (heads * head_dim,) the attention output. Returns 0, or
    -(layer + 1) of the first block that failed (a part without a kernel, attend.c's geometry
-   limits). */
-int quant_decode_step(const quant_block *blocks, int n_blocks, const float *x, int64_t dim, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, int64_t width, const float *cos, const float *sin, void *k,
-                      void *v, int64_t layer_stride, int64_t head_stride, int64_t row, int half, int splits,
-                      float *qs, float *stats, float *acc, float *attn, int threads) {
-    if (!attend_decode) return -1;  /* built without attend.c */
+   limits).
+
+   quant_decode_step_coded: the same with each layer's new key also coded (a Spotlight step below dense_below, which
+   attends to every row yet keeps the keys' codes for the steps past it): key_specs[i] is layer
+   i's key coder (encode.c's encode_rows spec: kernels.MlpCoder), coding the kv_heads post-RoPE
+   fp32 keys as the per-layer path codes them; their words (kv_heads, words) go into `codes`
+   (L, kv_heads, words, code_capacity) uint64 at `row`, through `words_out` (kv_heads * words). */
+int quant_decode_step_coded(const quant_block *blocks, int n_blocks, const float *x, int64_t dim, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t width, const float *cos, const float *sin,
+                            void *k, void *v, int64_t layer_stride, int64_t head_stride, int64_t row, int half,
+                            int splits, float *qs, float *stats, float *acc, float *attn,
+                            const int64_t *const *key_specs, uint64_t *codes, int64_t words, int64_t code_capacity,
+                            uint64_t *words_out, int threads) {
+    if (!attend_decode || (key_specs && !encode_rows)) return -1;  /* built without attend.c or encode.c */
     size_t item = half ? 2 : 4;
     int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
     const float *in = x;
@@ -1060,6 +1071,13 @@ int quant_decode_step(const quant_block *blocks, int n_blocks, const float *x, i
             return -(i + 1);
         store_rows(b->qkv_out + q_size, kl, kv_heads, head_dim, head_stride, row, half);
         store_rows(b->qkv_out + q_size + kv_size, vl, kv_heads, head_dim, head_stride, row, half);
+        if (key_specs) {
+            if (encode_rows(key_specs[i], b->qkv_out + q_size, words_out, threads)) return -(i + 1);
+            uint64_t *layer_codes = codes + (size_t)i * (size_t)(kv_heads * words * code_capacity);
+            for (int64_t h = 0; h < kv_heads; h++)
+                for (int64_t w = 0; w < words; w++)
+                    layer_codes[(h * words + w) * code_capacity + row] = words_out[h * words + w];
+        }
         if (attend_decode(b->qkv_out, heads, kv_heads, head_dim, kl, vl, head_stride, NULL, 0, row + 1, splits, qs,
                           stats, acc, attn, threads, half, NULL, NULL, 0, 0, 0) ||
             quant_decode_tail(in, dim, attn, q_size, b->wo, b->n_wo, b->ffn_norm, b->ffn_eps, b->gate_up,
@@ -1069,6 +1087,15 @@ int quant_decode_step(const quant_block *blocks, int n_blocks, const float *x, i
         in = b->out;
     }
     return 0;
+}
+
+int quant_decode_step(const quant_block *blocks, int n_blocks, const float *x, int64_t dim, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t width, const float *cos, const float *sin, void *k,
+                      void *v, int64_t layer_stride, int64_t head_stride, int64_t row, int half, int splits,
+                      float *qs, float *stats, float *acc, float *attn, int threads) {
+    return quant_decode_step_coded(blocks, n_blocks, x, dim, heads, kv_heads, head_dim, width, cos, sin, k, v,
+                                   layer_stride, head_stride, row, half, splits, qs, stats, acc, attn, NULL, NULL, 0,
+                                   0, NULL, threads);
 }
 #endif
 

@@ -321,6 +321,10 @@ def _load_library(path: Path = LIBRARY):
         lib.quant_decode_step.argtypes = [ctypes.POINTER(QuantBlock), c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr,
                                           ptr, ptr, i64, i64, i64, c_int, c_int, ptr, ptr, ptr, ptr, c_int]
         lib.quant_decode_step.restype = c_int
+    if hasattr(lib, "quant_decode_step_coded"):  # the step that also codes each layer's key
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.quant_decode_step_coded.argtypes = lib.quant_decode_step.argtypes[:-1] + [ptr, ptr, i64, i64, ptr, c_int]
+        lib.quant_decode_step_coded.restype = c_int
     if hasattr(lib, "quant_dequantize"):  # a library built before it dequantises with numba
         lib.quant_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -482,16 +486,24 @@ def decode_tail(x_ptr, dim, attn_ptr, attn_dim, wo, n_wo, norm_ptr, eps, gate_up
 
 # ------------------------------------------------------------- a whole one-token step (quant.c)
 C_STEP = bool(_LIB is not None and hasattr(_LIB, "quant_decode_step"))  # the SIMD build has it
+C_CODED_STEP = bool(C_STEP and hasattr(_LIB, "quant_decode_step_coded"))  # and the step that codes keys
 
 
 def decode_step(blocks, n_blocks, x_ptr, dim, heads, kv_heads, head_dim, width, cos_ptr, sin_ptr, k_ptr, v_ptr,
-                layer_stride, head_stride, row, half, splits, qs_ptr, stats_ptr, acc_ptr, attn_ptr) -> None:
+                layer_stride, head_stride, row, half, splits, qs_ptr, stats_ptr, acc_ptr, attn_ptr,
+                key_codes=None) -> None:
     """quant.c's quant_decode_step on raw addresses the caller has checked (spotlight/quantized.py
     FusedStep): every block of a one-token step, attending to all cached rows [0, row], on
-    kernels.set_threads(n) threads."""
-    status = _LIB.quant_decode_step(blocks, n_blocks, x_ptr, dim, heads, kv_heads, head_dim, width, cos_ptr, sin_ptr,
-                                    k_ptr, v_ptr, layer_stride, head_stride, row, int(half), splits, qs_ptr, stats_ptr,
-                                    acc_ptr, attn_ptr, threads() if C_THREADS else 1)
+    kernels.set_threads(n) threads. With `key_codes` (specs_ptr, codes_ptr, words, code_capacity,
+    words_out_ptr: quant_decode_step_coded's arguments, C_CODED_STEP), each layer's new key is also
+    coded into the key codes at `row`."""
+    count = threads() if C_THREADS else 1
+    args = (blocks, n_blocks, x_ptr, dim, heads, kv_heads, head_dim, width, cos_ptr, sin_ptr, k_ptr, v_ptr,
+            layer_stride, head_stride, row, int(half), splits, qs_ptr, stats_ptr, acc_ptr, attn_ptr)
+    if key_codes is None:
+        status = _LIB.quant_decode_step(*args, count)
+    else:
+        status = _LIB.quant_decode_step_coded(*args, *key_codes, count)
     if status:
         raise ValueError(f"quant_decode_step: block {-status - 1} could not run (a part's format has no C kernel "
-                         "for its activations, or attend.c does not take the head geometry)")
+                         "for its activations, attend.c does not take the head geometry, or a key coder failed)")

@@ -111,6 +111,12 @@ class DecodePolicy(Protocol):
         and the policy keeps nothing of it (on_new_tokens does nothing, selection is None), so the
         model may run it in one compiled call (spotlight/quantized.py FusedStep)."""
 
+    def step_key_coders(self, n_tokens: int, cache):
+        """For a decode step over `n_tokens` that attends to all rows in every layer and keeps only
+        each layer's new key codes (Spotlight below dense_below): the per-layer key coders
+        (kernels.MlpCoder, C-built; empty when no codes are kept), so the model may run it in one
+        compiled call that also codes the keys (FusedStep). None for any other step."""
+
     def prefill(self, layer: int, q: torch.Tensor, cache) -> torch.Tensor:
         """A chunk's q (H, T, D), keys written at [cache.length, + T), past the native window -> (H, T, D)."""
 
@@ -190,6 +196,9 @@ class DenseDecode:
     def dense_step(self, n_tokens: int) -> bool:
         return True
 
+    def step_key_coders(self, n_tokens: int, cache) -> None:
+        return None  # dense_step says it all
+
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         pass
 
@@ -228,6 +237,17 @@ class SpotlightDecode:
 
     def dense_step(self, n_tokens: int) -> bool:
         return False  # on_new_tokens codes every layer's key (and sparse layers select)
+
+    def step_key_coders(self, n_tokens: int, cache):
+        """Below dense_below, inside the window, every layer reads all rows: the selector's key
+        coders, when it has C-built ones, for the one-call step (DecodePolicy.step_key_coders)."""
+        c = self.config
+        if c.enabled and (n_tokens >= c.dense_below or self.beyond(cache, n_tokens)):
+            return None
+        if not self.selector.code_words:
+            return ()
+        key_coders = getattr(self.selector, "step_key_coders", None)
+        return None if key_coders is None else key_coders(cache.args.n_layers)
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         self.selector.on_new_tokens(layer, q, k, cache)
@@ -355,6 +375,15 @@ class CodeSelector:
             return
         h = self.encoders.key_bits(layer, k).detach().float()  # (Hkv, T, C)
         kernels.pack_into(h if h.is_cuda else h.numpy(), cache.codes[layer], cache.length)
+
+    def step_key_coders(self, layers: int) -> tuple["kernels.MlpCoder", ...] | None:
+        """The fused key coders of all `layers`, when encode.c serves a decode step's keys as
+        on_new_tokens codes them (fp32 CPU encoders, the C build); None otherwise."""
+        mlp = self.encoders.key
+        if not (kernels.cpu.HAVE_NUMBA and mlp.w_out.device.type == "cpu" and mlp.w_out.dtype == torch.float32):
+            return None
+        coders = tuple(_coder(mlp, layer, self._key_coders) for layer in range(layers))
+        return coders if all(coder.native for coder in coders) else None
 
     def query_codes(self, layer: int, q: torch.Tensor) -> np.ndarray:
         """Packed query codes (H, W) of q (H, 1, D): numpy on the CPU, a reused int64 device tensor on a GPU."""

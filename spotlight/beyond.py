@@ -82,12 +82,14 @@ def remapped_chunk(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, id
 
 def fitted_config(config: SpotlightConfig, native: int, chunk: int) -> SpotlightConfig:
     """`config` with its budget past the window lowered, when needed, to fit a model's `native` window,
-    and its fold at most half that window (a folded candidate is scored at most far_window + far_fold
-    + a chunk back, which must stay inside what the encoders were trained on)."""
+    its fold at most half that window (a folded candidate is scored at most far_window + far_fold
+    + a chunk back, which must stay inside what the encoders were trained on), and dense_below at most
+    the window (past it every layer reads the far budget, so `n < dense_below` means inside it)."""
     retrieved, window = fitted(config.sinks, config.far_retrieved, config.far_window, chunk, native)
     return dataclasses.replace(config, far_retrieved=retrieved, far_window=window,
                                far_prefill_retrieved=min(config.far_prefill_retrieved, retrieved),
-                               far_fold=min(config.far_fold, max(1, native // 2)))
+                               far_fold=min(config.far_fold, max(1, native // 2)),
+                               dense_below=min(config.dense_below, native))
 
 
 def fitted(sinks: int, retrieved: int, window: int, chunk: int, native: int) -> tuple[int, int]:

@@ -312,8 +312,9 @@ class Transformer(nn.Module):
         self.far_products = None
 
     def use_fused_step(self, step) -> None:
-        """Run one-token steps that attend to every cached row (DecodePolicy.dense_step) through
-        `step` (a FusedStep of this model) or, with None, block by block."""
+        """Run one-token steps that attend to every cached row (DecodePolicy.dense_step, or
+        step_key_coders for a step that also codes its keys) through `step` (a FusedStep of this
+        model) or, with None, block by block."""
         self.fused_step = step
 
     def use_far_products(self, lowered) -> None:
@@ -344,9 +345,13 @@ class Transformer(nn.Module):
         cos, sin = self.rope(start, T)  # (T, D)
         x = self.tok_embeddings(tokens)  # (T, E)
         mask = chunk_mask(x, T, start)  # (T, start + T) or None, built once for every layer
-        step = self.fused_step
-        if T == 1 and step is not None and policy.dense_step(start + 1) and step.accepts(x, cache):
-            x = step(x, cos, sin, cache)  # (1, E): every block in one compiled call
+        step, coders = self.fused_step, None
+        if T == 1 and step is not None and step.accepts(x, cache):
+            # a dense step, or one that only codes its keys (Spotlight below dense_below)
+            coders = () if policy.dense_step(start + 1) else policy.step_key_coders(start + 1, cache)
+            coders = coders if coders is not None and step.codes(coders, cache) else None
+        if coders is not None:
+            x = step(x, cos, sin, cache, coders)  # (1, E): every block in one compiled call
             for i in range(len(self.layers)):
                 for observer in observers:
                     observer.on_layer(i, step.query(i), cache, None)

@@ -21,6 +21,7 @@ moving whole rows (the blocks run along the columns, so a row permutation keeps 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import struct
 from dataclasses import dataclass
@@ -331,6 +332,7 @@ class FusedStep:
         self.attn = torch.empty(self.heads, self.head_dim)  # (H, D) a layer's attention output
         self.scratch = new_attend_scratch(self.heads, self.kv_heads, self.head_dim)
         self.out = self.decoders[-1].out  # (1, E) the last block's output
+        self._coded = None  # (the key coders' ids, the coders, their specs' array, (Hkv, W) words) of _key_codes
 
     @staticmethod
     def eligible(model: nn.Module) -> bool:
@@ -352,9 +354,21 @@ class FusedStep:
             and (k.dtype == torch.float32 or (k.dtype == torch.float16 and C_ATTEND_F16)) and v.dtype == k.dtype \
             and k.is_contiguous() and v.is_contiguous()
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+    def codes(self, coders, cache) -> bool:
+        """Whether this step can also write the keys' codes with `coders` (DecodePolicy.step_key_coders:
+        one C-built kernels.MlpCoder per layer, or none) into `cache`'s host codes."""
+        if not coders:
+            return True
+        codes = cache.codes
+        return quant.C_CODED_STEP and len(coders) == len(self.decoders) and isinstance(codes, np.ndarray) \
+            and codes.dtype == np.uint64 and codes.flags.c_contiguous \
+            and all(c.native and c.x_shape == (self.kv_heads, self.head_dim) and c.shape[1] == codes.shape[2]
+                    for c in coders)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, coders=()) -> torch.Tensor:
         """x (1, E) the token at position n - 1 = cache.length, cos, sin (1, D) -> the last block's
-        output (1, E); every layer's key and value are written at row n - 1 of the cache."""
+        output (1, E); every layer's key and value are written at row n - 1 of the cache, and with
+        `coders` (one per layer, `codes` checked) the key's codes too, as on_new_tokens writes them."""
         cos, sin = cos.contiguous(), sin.contiguous()
         row = cache.length
         _, splits = attend_splits(row + 1, self.scratch)
@@ -362,8 +376,19 @@ class FusedStep:
         quant.decode_step(self._blocks, len(self.decoders), x.data_ptr(), self.dim, self.heads, self.kv_heads,
                           self.head_dim, self.width, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
                           k.stride(0), k.stride(1), row, k.dtype == torch.float16, splits, buf.scaled_q.ctypes.data,
-                          buf.stats.ctypes.data, buf.acc.ctypes.data, self.attn.data_ptr())
+                          buf.stats.ctypes.data, buf.acc.ctypes.data, self.attn.data_ptr(),
+                          self._key_codes(coders, cache.codes) if coders else None)
         return self.out
+
+    def _key_codes(self, coders, codes: np.ndarray) -> tuple:
+        """decode_step's key_codes for `coders` writing into `codes` (L, Hkv, W, Ncap); the specs'
+        array and the words' buffer are made once per set of coders."""
+        if self._coded is None or self._coded[0] != tuple(map(id, coders)):
+            specs = (ctypes.c_int64 * len(coders))(*(c.spec_address for c in coders))
+            words = np.empty(coders[0].shape, np.uint64)  # (Hkv, W) a layer's new key codes
+            self._coded = (tuple(map(id, coders)), coders, specs, words)  # the coders kept alive with their specs
+        _, _, specs, words = self._coded
+        return (ctypes.addressof(specs), codes.ctypes.data, codes.shape[2], codes.shape[3], words.ctypes.data)
 
     def query(self, layer: int) -> torch.Tensor:
         """The post-RoPE q (H, 1, D) of `layer` in the last step."""

@@ -167,6 +167,9 @@ class QKRecorder:
     def dense_step(self, n_tokens: int) -> bool:
         return False
 
+    def step_key_coders(self, n_tokens: int, cache) -> None:
+        return None
+
 
 @dataclass
 class QKData:

@@ -267,29 +267,40 @@ def test_the_gauge_says_how_much_lies_beyond_the_model_window():
 def test_turn_line_shows_cached_computed_restored_and_speeds():
     turn = Turn("s", "text", finish="eos", cached_tokens=3000, prefill_tokens=120, restored_tokens=2990,
                 prefill_tps=340.0, decode_tokens=20, decode_tps=11.5)
-    line = ui.turn_line(turn, SpotlightConfig())
+    sparse = SpotlightConfig(dense_below=2048)  # sparse at 3,120 tokens (the default reads them densely)
+    line = ui.turn_line(turn, sparse)
     assert line.startswith("3,000 tokens cached · 120 computed now · restored 2,990 tokens from disk")
     assert "prefill 340 tok/s" in line and "decode 20 tokens at 11.5 tok/s" in line
-    share = 100 * SpotlightConfig().budget(3120) / 3120  # sinks + window + retrieved, of 3,120 tokens
+    share = 100 * sparse.budget(3120) / 3120  # sinks + window + retrieved, of 3,120 tokens
     assert f"Spotlight reads ≈{share:.1f}% of the context per step (estimated)" in line
     assert "stopped" in ui.turn_line({**turn.stats(), "finish": "cancelled"}, SpotlightConfig())
     assert ui.turn_line({}, SpotlightConfig()) == ""
+
+
+def test_the_status_line_calls_a_context_dense_only_inside_the_models_window():
+    config = SpotlightConfig()  # dense below 16,384
+    small = ui.fitted_spotlight(config, ui.ModelFacts(1_000_000, False, len, model_window=8192))  # SmolLM2's window
+    large = ui.fitted_spotlight(config, ui.ModelFacts(1_000_000, False, len, model_window=32768))
+    assert (small.dense_below, large.dense_below) == (8192, 16384)
+    assert ui.spotlight_share(small, 10_000).startswith("Spotlight reads ≈")  # past the 8K window: the far budget
+    assert ui.spotlight_share(large, 10_000) == "Spotlight: dense below 16,384 tokens (reads 100%)"
+    assert ui.fitted_spotlight(config, ui.ModelFacts(None, True, len)) == config  # no model: as configured
 
 
 def test_spotlight_share_is_measured_when_the_turn_carries_it():
     config = SpotlightConfig()
     assert ui.spotlight_share(config, 10_000, measured=0.031) == "Spotlight read 3.1% of the context per step"
     assert ui.spotlight_share(config, 500, measured=1.0) == \
-        "Spotlight read 100.0% of the context per step (dense below 2,048 tokens)"
+        "Spotlight read 100.0% of the context per step (dense below 16,384 tokens)"
     assert ui.spotlight_share(config, 10_000, measured=1.0, measured_spotlight=False) == \
         "Spotlight off: every step read the whole context"
     turn = Turn("s", "text", finish="eos", cached_tokens=9000, decode_tokens=8, read_share=0.04321, spotlight=True)
     assert (turn.stats()["read_share"], turn.stats()["spotlight"]) == (0.0432, True)
     assert "Spotlight read 4.3% of the context per step" in ui.turn_line(turn, config).split(" · ")
-    assert "dense below 2,048" in ui.spotlight_share(config, 500)
+    assert "dense below 16,384" in ui.spotlight_share(config, 500)
     assert ui.spotlight_share(SpotlightConfig(enabled=False), 10_000).startswith("Spotlight off")
-    share = 100 * config.budget(10_000) / 10_000
-    assert ui.spotlight_share(config, 10_000, dense_engine=True) == \
+    share = 100 * config.budget(20_000) / 20_000
+    assert ui.spotlight_share(config, 20_000, dense_engine=True) == \
         f"dense decode: reads 100% per step (Spotlight would read ≈{share:.1f}%, estimated)"
 
 
@@ -303,7 +314,9 @@ def test_screen_of_an_open_conversation(tmp_path):
     use = ui.context_use(1000, docs, history, config.sampling.max_new_tokens, len, "Be brief.")
     assert screen == ui.Screen(
         ui.session_choices([info]), None, "### Trip", ui.chat_messages(history)[0], ui.chips_html(docs),
-        ui.gauge_html(use), ui.turn_line(history[-1].stats, config.spotlight), [], None, False, False)
+        ui.gauge_html(use), ui.turn_line(history[-1].stats, ui.fitted_spotlight(config.spotlight, model)), [], None,
+        False, False)
+    assert screen.status.endswith("Spotlight: dense below 1,000 tokens (reads 100%)")  # the model's 1,000-token window
     empty = ui.screen([], None, [], [], config, ui.ModelFacts(None, True, len))
     assert empty == ui.Screen([], ui.NO_SESSIONS, "### New conversation", [], ui.chips_html([]),
                               ui.gauge_html(None), "", [], None, False, False)

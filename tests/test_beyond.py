@@ -318,6 +318,11 @@ def test_the_prefill_budget_is_lowered_with_the_decode_budget_and_never_above_it
     assert (kept.far_retrieved, kept.far_window, kept.far_prefill_retrieved) == (4096, 1024, 2048)
 
 
+def test_dense_below_is_at_most_the_window():
+    below = [fitted_config(SpotlightConfig(dense_below=16384), native, 1024).dense_below for native in (32768, 8192)]
+    assert below == [16384, 8192]  # Qwen2.5's 32K window: as set; SmolLM2's 8K: the window
+
+
 def test_the_fold_is_at_most_half_the_window_and_zero_stays_zero():
     folds = [fitted_config(SpotlightConfig(far_fold=fold), native, 1024).far_fold
              for fold, native in ((8192, 32768), (8192, 8192), (8192, 2048), (0, 8192), (3000, 8192))]

@@ -9,7 +9,7 @@ def test_a_dense_step_reads_every_row_of_every_layer(engine):
 
 
 def test_a_spotlight_step_reads_its_selection_and_the_key_codes_in_sparse_layers(engine):
-    spotlight = engine.with_spotlight(SpotlightConfig())
+    spotlight = engine.with_spotlight(SpotlightConfig(dense_below=2048))  # the default reads the 8K window densely
     below, inside, past = 1024, 4096, 16384  # dense below 2,048; the 8K window; the far budget past it
     selected = 4 + int(0.15 * inside) + 512  # sinks + 15 % + window
     far = 4 + 4096 + 1024  # sinks + far_retrieved + far_window, every layer

@@ -20,10 +20,11 @@ from gguf.quants import dequantize, quantize
 from kernels import quant
 from kernels.quant import CorruptTensor
 from spotlight import config, loading
-from spotlight.attention import DenseDecode
+from spotlight.attention import CodeSelector, DenseDecode, SpotlightDecode
 from spotlight.cache import KVCache
-from spotlight.config import EngineConfig
+from spotlight.config import EngineConfig, SpotlightConfig
 from spotlight.engine import Engine
+from spotlight.hashing import EncoderSpec, Encoders
 from spotlight.model import RMSNorm, Transformer, build_model
 from spotlight.onerow import use_onerow_linear
 from spotlight.quantized import (QuantEmbedding, QuantLinear, build_quantized_model, quantize_to_q8_0, unpermute_rows,
@@ -249,6 +250,55 @@ def test_fused_step_equals_the_fused_blocks(tiny_pair, activations, dtype):
     assert [(layer, n, selected) for layer, _, n, selected in got_log.seen] == \
         [(layer, n, selected) for layer, _, n, selected in want_log.seen]
     assert all(torch.equal(g[1], w[1]) for g, w in zip(got_log.seen, want_log.seen))
+
+
+class CountingCodes(CodeSelector):
+    """CodeSelector that counts the decode steps' per-layer key codings (on_new_tokens of one token)."""
+
+    def __init__(self, encoders: Encoders):
+        super().__init__(encoders)
+        self.step_codings = 0
+
+    def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
+        self.step_codings += k.shape[1] == 1
+        super().on_new_tokens(layer, q, k, cache)
+
+
+@pytest.mark.skipif(not quant.C_CODED_STEP, reason="needs kernels/_quant.so with AVX2 (attend.c, encode.c)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_spotlight_step_below_dense_below_runs_fused_and_codes_its_keys(tiny_pair, dtype):
+    """Below dense_below a Spotlight step reads every row and keeps each new key's codes: in one
+    compiled call (FusedStep with the policy's key coders) it computes the block-by-block steps'
+    logits, cache rows and key codes bit for bit; from dense_below on it runs block by block."""
+    fp32, _, _, path = tiny_pair
+    model = random_norms(copy.deepcopy(fp32), 7)
+    use_quantized_linear(model, path, fp32.args, activations="int16")
+    assert use_fused_decode(model) == model.args.n_layers
+    step = model.fused_step
+    encoders = Encoders(EncoderSpec.for_model(model.args, 64), seed=3, model_fingerprint="tiny")
+    prompt, steps = torch.arange(3, 40), [5, 77, 200, 9]
+    config = SpotlightConfig(bits=64, dense_below=len(prompt) + len(steps) + 1)
+
+    def decode(fused: bool):
+        model.use_fused_step(step if fused else None)
+        selector = CountingCodes(encoders)
+        policy = SpotlightDecode(config, selector)
+        cache = KVCache(model.args, len(prompt) + len(steps), dtype=dtype, code_words=policy.code_words)
+        with torch.inference_mode():
+            model(prompt, cache, policy)
+            logits = [model(torch.tensor([token]), cache, policy) for token in steps]
+        n = cache.length
+        rows = (cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone(), cache.codes[..., :n].copy())
+        return logits, rows, selector.step_codings, policy, cache
+
+    got, got_rows, got_codings, policy, cache = decode(fused=True)
+    want, want_rows, want_codings, _, _ = decode(fused=False)
+    assert (got_codings, want_codings) == (0, len(steps) * model.args.n_layers)
+    assert [torch.equal(g, w) for g, w in zip(got, want)] == [True] * len(steps)
+    assert torch.equal(got_rows[0], want_rows[0]) and torch.equal(got_rows[1], want_rows[1])
+    assert np.array_equal(got_rows[2], want_rows[2])
+    assert len(policy.step_key_coders(config.dense_below - 1, cache)) == model.args.n_layers
+    assert policy.step_key_coders(config.dense_below, cache) is None
 
 
 @pytest.mark.skipif(not quant.C_FUSED or not quant.C_SIMD, reason="needs kernels/_quant.so with AVX2")
