@@ -173,12 +173,14 @@ class SpotlightConfig:
     k_min: int = 64  # retrieved tokens at least
     # Contexts shorter than this (at most the model's window: beyond.fitted_config) use dense attention
     # everywhere, each step in one compiled call that also codes the new keys (quantized.FusedStep).
-    # 16,384, not 2,048: below it that step decoded faster than the sparse one. Side by side on an
-    # Intel Xeon 2-core VM (session 41, 4 rounds, medians): Qwen2.5-Coder-0.5B 24.7 / 21.2 / 16.9
-    # tokens/s at 4K / 8K / 16K against Spotlight's 18.1 / 17.2 / 16.5 (1.36x / 1.24x / 1.03x);
-    # SmolLM2-135M 47.4 / 35.3 at 4K / 8K against 36.4 / 32.6. Spotlight passed dense between 16K
-    # and 24K (17.1 vs 17.3 at 16K, 15.8 vs 14.5 at 24K). Below it the replies are dense's own.
-    dense_below: int = 16384
+    # 8,192, not 2,048: below it that step decoded faster than the sparse one. Side by side on an
+    # Intel Xeon 2-core VM (session 41, 4 rounds, medians), through the engine: Qwen2.5-Coder-0.5B
+    # 24.7 / 21.2 / 16.9 tokens/s at 4K / 8K / 16K against Spotlight's 18.1 / 17.2 / 16.5 (1.36x /
+    # 1.24x / 1.03x); SmolLM2-135M 47.4 / 35.3 at 4K / 8K against 36.4 / 32.6. Through ChatService,
+    # whose sources tally reads every row of its layers in a dense step: 20.0 against 18.2 at 8.1K
+    # (1.10x) but 15.8 against 17.4 at 15.6K (0.91x), hence 8,192 and not 16,384. Below it the
+    # replies are dense's own.
+    dense_below: int = 8192
     # Inside the window the flat scan scores every cached code at every length: two-level retrieval
     # (blocks or stored spans by their code counts first) was no faster than the byte-plane flat scan at
     # this budget unless it lost recall, and was retired (docs/DECISIONS.md, "Two-level retrieval retired").

@@ -278,7 +278,7 @@ def test_turn_line_shows_cached_computed_restored_and_speeds():
 
 
 def test_the_status_line_calls_a_context_dense_only_inside_the_models_window():
-    config = SpotlightConfig()  # dense below 16,384
+    config = SpotlightConfig(dense_below=16384)
     small = ui.fitted_spotlight(config, ui.ModelFacts(1_000_000, False, len, model_window=8192))  # SmolLM2's window
     large = ui.fitted_spotlight(config, ui.ModelFacts(1_000_000, False, len, model_window=32768))
     assert (small.dense_below, large.dense_below) == (8192, 16384)
@@ -291,13 +291,13 @@ def test_spotlight_share_is_measured_when_the_turn_carries_it():
     config = SpotlightConfig()
     assert ui.spotlight_share(config, 10_000, measured=0.031) == "Spotlight read 3.1% of the context per step"
     assert ui.spotlight_share(config, 500, measured=1.0) == \
-        "Spotlight read 100.0% of the context per step (dense below 16,384 tokens)"
+        "Spotlight read 100.0% of the context per step (dense below 8,192 tokens)"
     assert ui.spotlight_share(config, 10_000, measured=1.0, measured_spotlight=False) == \
         "Spotlight off: every step read the whole context"
     turn = Turn("s", "text", finish="eos", cached_tokens=9000, decode_tokens=8, read_share=0.04321, spotlight=True)
     assert (turn.stats()["read_share"], turn.stats()["spotlight"]) == (0.0432, True)
     assert "Spotlight read 4.3% of the context per step" in ui.turn_line(turn, config).split(" · ")
-    assert "dense below 16,384" in ui.spotlight_share(config, 500)
+    assert "dense below 8,192" in ui.spotlight_share(config, 500)
     assert ui.spotlight_share(SpotlightConfig(enabled=False), 10_000).startswith("Spotlight off")
     share = 100 * config.budget(20_000) / 20_000
     assert ui.spotlight_share(config, 20_000, dense_engine=True) == \
