@@ -301,6 +301,22 @@ def test_a_spotlight_step_below_dense_below_runs_fused_and_codes_its_keys(tiny_p
     assert policy.step_key_coders(config.dense_below, cache) is None
 
 
+@pytest.mark.skipif(not quant.C_CODED_STEP, reason="needs kernels/_quant.so with AVX2 (attend.c, encode.c)")
+def test_the_coded_step_refuses_coders_that_do_not_fit_the_cache(tiny_pair):
+    """Coders for another code width, or a cache without codes, are refused (the step then runs
+    block by block); no coders at all always fit."""
+    fp32, _, _, path = tiny_pair
+    model = copy.deepcopy(fp32)
+    use_quantized_linear(model, path, fp32.args, activations="int16")
+    use_fused_decode(model)
+    coders = CodeSelector(Encoders(EncoderSpec.for_model(model.args, 64), seed=3)).step_key_coders(model.args.n_layers)
+    wide = CodeSelector(Encoders(EncoderSpec.for_model(model.args, 128), seed=3)).step_key_coders(model.args.n_layers)
+    coded, uncoded = KVCache(model.args, 8, code_words=1), KVCache(model.args, 8)
+    step = model.fused_step
+    assert [step.codes(coders, coded), step.codes(wide, coded), step.codes(coders, uncoded), step.codes((), uncoded),
+            step.codes(coders[:1], coded)] == [True, False, False, True, False]
+
+
 @pytest.mark.skipif(not quant.C_FUSED or not quant.C_SIMD, reason="needs kernels/_quant.so with AVX2")
 @pytest.mark.parametrize("activations, tolerance", [("fp32", 1e-5), ("int16", 1e-4)])
 def test_fused_decode_equals_the_modules(tiny_pair, activations, tolerance):
