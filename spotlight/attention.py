@@ -354,6 +354,7 @@ class CodeSelector:
         self._k_codes = None  # (Hkv, W) uint64: a decode step's key codes
         self._query_coders = {}  # layer -> kernels.MlpCoder over views of the query encoder's weights
         self._key_coders = {}  # layer -> the same for the key encoder
+        self._step_coders = None  # step_key_coders' tuple of _key_coders, all layers
         self._far_q_codes = None  # (R, H, W) uint64: a decode step's turned-back query codes
         self._far_table = None  # (key, (cos, sin), their (R, D) numpy copies or None) of _far_turn
         self._plane_scratch = None  # kernels.PlaneScratch of select_far's byte-plane scan
@@ -382,8 +383,9 @@ class CodeSelector:
         mlp = self.encoders.key
         if not (kernels.cpu.HAVE_NUMBA and mlp.w_out.device.type == "cpu" and mlp.w_out.dtype == torch.float32):
             return None
-        coders = tuple(_coder(mlp, layer, self._key_coders) for layer in range(layers))
-        return coders if all(coder.native for coder in coders) else None
+        if self._step_coders is None or len(self._step_coders) != layers:  # made once: asked every decode step
+            self._step_coders = tuple(_coder(mlp, layer, self._key_coders) for layer in range(layers))
+        return self._step_coders if all(coder.native for coder in self._step_coders) else None
 
     def query_codes(self, layer: int, q: torch.Tensor) -> np.ndarray:
         """Packed query codes (H, W) of q (H, 1, D): numpy on the CPU, a reused int64 device tensor on a GPU."""
