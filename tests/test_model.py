@@ -106,6 +106,24 @@ def test_split_chunk_attention_equals_masked_sdpa(heads, kv_heads, past, T):
     torch.testing.assert_close(causal_attention(q, k, v), masked, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [16, 64, 2048])
+def test_split_chunk_attention_widens_an_fp16_past_in_blocks(block):
+    """An fp16 cache's past, widened and attended block by block and merged, equals SDPA over the
+    whole widened cache (the blocks bound the widened copy's memory, not the result)."""
+    import torch.nn.functional as F
+
+    from spotlight.model import _split_attention, causal_attention, prefill_mask
+
+    heads, kv_heads, past, T = 9, 3, 300, 24
+    g = torch.Generator().manual_seed(block)
+    q = torch.randn(heads, T, 16, generator=g)  # (H, T, D)
+    k, v = (torch.randn(kv_heads, past + T, 16, generator=g).half() for _ in range(2))  # (Hkv, N, D) fp16
+    mask = prefill_mask(T, past, torch.float32, "cpu")
+    masked = F.scaled_dot_product_attention(q[None], k.float()[None], v.float()[None], attn_mask=mask, enable_gqa=True)[0]
+    torch.testing.assert_close(_split_attention(q, k, v, past, block), masked, rtol=0, atol=1e-6)
+    torch.testing.assert_close(causal_attention(q, k, v), masked, rtol=0, atol=1e-6)
+
+
 def test_cache_grows_truncates_and_extends():
     _, ours = tiny_pair("llama", seed=4)
     ids = list(range(40))
