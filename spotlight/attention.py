@@ -71,6 +71,11 @@ class Selector(Protocol):
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         """Post-RoPE q (H, T, D) and k (Hkv, T, D) of T tokens entering the cache at cache.length."""
 
+    def step_key_coders(self, layers: int) -> tuple["kernels.MlpCoder", ...] | None:
+        """The C-built key coders of all `layers` that code a decode step's keys as on_new_tokens
+        does, for the one-call dense step (FusedStep); () when it keeps no codes, None when its
+        coding has no such coders."""
+
     def select(self, layer: int, q: torch.Tensor, cache, n: int, retrieved: int, sinks: int, window: int):
         """The flat scan over the first n cached tokens for the query q (H, 1, D)."""
 
@@ -244,10 +249,7 @@ class SpotlightDecode:
         c = self.config
         if c.enabled and (n_tokens >= c.dense_below or self.beyond(cache, n_tokens)):
             return None
-        if not self.selector.code_words:
-            return ()
-        key_coders = getattr(self.selector, "step_key_coders", None)
-        return None if key_coders is None else key_coders(cache.args.n_layers)
+        return self.selector.step_key_coders(cache.args.n_layers)
 
     def on_new_tokens(self, layer: int, q: torch.Tensor, k: torch.Tensor, cache) -> None:
         self.selector.on_new_tokens(layer, q, k, cache)
@@ -551,6 +553,9 @@ class _Uncoded:
 
     def on_new_tokens(self, layer, q, k, cache) -> None:
         pass
+
+    def step_key_coders(self, layers: int) -> tuple:
+        return ()  # no codes to write
 
     def select_chunk(self, layer, q, cache, n, retrieved, sinks, window):
         """`select` for the chunk's mean query (H, 1, D)."""

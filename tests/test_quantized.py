@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 from kernels import quant
 from kernels.quant import CorruptTensor
 from spotlight import config, loading
-from spotlight.attention import CodeSelector, DenseDecode, SpotlightDecode
+from spotlight.attention import CodeSelector, DenseDecode, OracleSelector, SpotlightDecode
 from spotlight.cache import KVCache
 from spotlight.config import EngineConfig, SpotlightConfig
 from spotlight.engine import Engine
@@ -299,6 +299,16 @@ def test_a_spotlight_step_below_dense_below_runs_fused_and_codes_its_keys(tiny_p
     assert np.array_equal(got_rows[2], want_rows[2])
     assert len(policy.step_key_coders(config.dense_below - 1, cache)) == model.args.n_layers
     assert policy.step_key_coders(config.dense_below, cache) is None
+
+
+def test_a_selector_without_codes_hands_the_step_no_coders(tiny_pair):
+    """Below dense_below a Spotlight step over a selector that keeps no codes (the exact top-k)
+    has no keys to code: no coders, so the one-call dense step runs as it does for dense decode."""
+    fp32, _, _, _ = tiny_pair
+    config = SpotlightConfig(dense_below=64)
+    cache = KVCache(fp32.args, 8)
+    policy = SpotlightDecode(config, OracleSelector())
+    assert (policy.step_key_coders(63, cache), policy.step_key_coders(64, cache)) == ((), None)
 
 
 @pytest.mark.skipif(not quant.C_CODED_STEP, reason="needs kernels/_quant.so with AVX2 (attend.c, encode.c)")
