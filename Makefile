@@ -35,7 +35,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt requirements-models.txt
 # dequantised weight rounded as gguf rounds it (no fused multiply-add inside the weight).
 QUANT_SO := kernels/_quant.so
 
-$(QUANT_SO): kernels/quant.c kernels/attend.c kernels/attend_rows.h kernels/encode.c kernels/scan.c kernels/simd.h
+$(QUANT_SO): kernels/quant.c kernels/attend.c kernels/attend_rows.h kernels/attend_wide.h kernels/encode.c kernels/scan.c kernels/simd.h
 	cc -O3 -march=native -ffp-contract=off -fopenmp -shared -fPIC -o $@ kernels/quant.c kernels/attend.c kernels/encode.c kernels/scan.c -lm || echo "kernels/quant.c not built: the numba kernels will be used"
 
 setup: $(STAMP) $(QUANT_SO)

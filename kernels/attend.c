@@ -77,11 +77,51 @@ struct remap {
     int64_t block, base, count, moved;
 };
 
+/* Sixteen lanes (attend_wide.h) where built with AVX-512: on by default, `attend_set_wide` turns
+   it off (the tests run both). */
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#define HAVE_WIDE 1
+static int wide_rows = 1;
+#define WIDE_T float
+#define LOAD16(p) _mm512_loadu_ps(p)
+#define WIDE_SCORES wide_scores_f32
+#define WIDE_SCORES_BLOCK wide_scores_block_f32
+#define WIDE_VALUES wide_values_f32
+#define WIDE_VALUES_BLOCK wide_values_block_f32
+#include "attend_wide.h"
+#undef WIDE_T
+#undef LOAD16
+#undef WIDE_SCORES
+#undef WIDE_SCORES_BLOCK
+#undef WIDE_VALUES
+#undef WIDE_VALUES_BLOCK
+#if defined(__F16C__)
+#define WIDE_T uint16_t
+#define LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define WIDE_SCORES wide_scores_f16
+#define WIDE_SCORES_BLOCK wide_scores_block_f16
+#define WIDE_VALUES wide_values_f16
+#define WIDE_VALUES_BLOCK wide_values_block_f16
+#include "attend_wide.h"
+#undef WIDE_T
+#undef LOAD16
+#undef WIDE_SCORES
+#undef WIDE_SCORES_BLOCK
+#undef WIDE_VALUES
+#undef WIDE_VALUES_BLOCK
+#endif
+#else
+#define HAVE_WIDE 0
+#endif
+
 /* The run over fp32 rows and over fp16 rows (widened to fp32 as they are loaded, F16C), each
-   as it is and re-positioning (REMAP). */
+   as it is and re-positioning (REMAP; its keys are staged in fp32). ROW_SCORES and ROW_VALUES:
+   attend_wide.h's functions for the run's K and V rows. */
 #define ROW_T float
 #define LOAD_ROW(p) _mm256_loadu_ps(p)
 #define PREFETCH_ROW(p, dim) prefetch_row((const char *)(p), (dim) * 4)
+#define ROW_SCORES wide_scores_f32
+#define ROW_VALUES wide_values_f32
 #define REMAP 0
 #define ATTEND_RUN attend_run_f32
 #include "attend_rows.h"
@@ -97,17 +137,23 @@ struct remap {
 #undef ROW_T
 #undef LOAD_ROW
 #undef PREFETCH_ROW
+#undef ROW_SCORES
+#undef ROW_VALUES
 
 #if defined(__F16C__)
 #define HAVE_F16_ROWS 1
 #define ROW_T uint16_t
 #define LOAD_ROW(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define PREFETCH_ROW(p, dim) prefetch_row((const char *)(p), (dim) * 2)
+#define ROW_SCORES wide_scores_f16
+#define ROW_VALUES wide_values_f16
 #define REMAP 0
 #define ATTEND_RUN attend_run_f16
 #include "attend_rows.h"
 #undef ATTEND_RUN
 #undef REMAP
+#undef ROW_SCORES
+#define ROW_SCORES wide_scores_f32  /* the staged keys */
 #define REMAP 1
 #define ATTEND_RUN remap_run_f16
 #define STAGE_KEY stage_key_f16
@@ -118,6 +164,8 @@ struct remap {
 #undef ROW_T
 #undef LOAD_ROW
 #undef PREFETCH_ROW
+#undef ROW_SCORES
+#undef ROW_VALUES
 #else
 #define HAVE_F16_ROWS 0
 #endif
@@ -233,6 +281,21 @@ int attend_scores(const float *q, int64_t heads, int64_t kv_heads, int64_t dim, 
 
 int attend_available(void) { return 1; }
 int attend_f16_available(void) { return HAVE_F16_ROWS; }
+int attend_wide_available(void) { return HAVE_WIDE; }
+
+/* Whether the runs take attend_wide.h's sixteen lanes where they can (on: 1, off: 0; where not
+   built with AVX-512 it stays off); returns the previous setting. Process-wide: set it between
+   calls, not while one runs. */
+int attend_set_wide(int on) {
+#if HAVE_WIDE
+    int before = wide_rows;
+    wide_rows = on != 0;
+    return before;
+#else
+    (void)on;
+    return 0;
+#endif
+}
 #else
 int attend_available(void) { return 0; }
 int attend_f16_available(void) { return 0; }

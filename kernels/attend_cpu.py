@@ -15,6 +15,9 @@ read where SDPA ran at ~2x (MKL's small GEMMs on this AMD CPU).
 
 The same two functions run kernels/attend.c (AVX2, built into kernels/_quant.so by `make setup`)
 where the geometry fits (c_attend_fits); the numba kernels (kernels/attend_jit.py) are the fallback and the check.
+Where it was built with AVX-512 (-march=native on such a CPU), attend.c computes scores and V
+products sixteen lanes at a time for a head dim that is a multiple of 16 (kernels/attend_wide.h;
+`set_wide(False)` runs the eight-lane loops instead, which the tests compare).
 
 Numerics: fp32 q; K/V rows fp32, or fp16 (an fp16 cache, EngineConfig.kv_dtype) widened to fp32
 as attend.c loads them (the numba fallback widens the rows it reads into a copy first); fp32
@@ -70,6 +73,18 @@ if C_ATTEND:
         _NATIVE.attend_scores.restype = ctypes.c_int
 # fp16 K/V rows read as they are (F16C); without it they are converted to fp32 before the kernel
 C_ATTEND_F16 = bool(C_ATTEND and hasattr(_NATIVE, "attend_f16_available") and _NATIVE.attend_f16_available())
+# sixteen lanes (kernels/attend_wide.h) where attend.c was built with AVX-512, for D a multiple of 16
+C_ATTEND_WIDE = bool(C_ATTEND and hasattr(_NATIVE, "attend_wide_available") and _NATIVE.attend_wide_available())
+if C_ATTEND_WIDE:
+    _NATIVE.attend_set_wide.argtypes = [ctypes.c_int]
+    _NATIVE.attend_set_wide.restype = ctypes.c_int
+
+
+def set_wide(on: bool) -> bool:
+    """Whether attend.c runs its sixteen-lane loops (AVX-512 builds; on by default) or its
+    eight-lane ones, process-wide; returns the previous setting (False where not built wide).
+    For tests and benchmarks that compare the two; set it between calls, not during one."""
+    return bool(_NATIVE.attend_set_wide(int(on))) if C_ATTEND_WIDE else False
 
 
 def c_attend_fits(heads: int, hkv: int, dim: int) -> bool:

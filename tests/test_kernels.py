@@ -655,6 +655,54 @@ def test_attend_thread_split_gives_the_same_result(monkeypatch, count):
     np.testing.assert_allclose(several, one, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["sixteen lanes", "eight lanes"])
+def lanes(request):
+    """attend.c's sixteen-lane loops (kernels/attend_wide.h, built where the CPU has AVX-512) and its
+    eight-lane ones, each in turn; the first is skipped where attend.c was built without AVX-512."""
+    from kernels import attend_cpu
+
+    if request.param == "sixteen lanes" and not attend_cpu.C_ATTEND_WIDE:
+        pytest.skip("kernels/_quant.so built without AVX-512: only the eight-lane loops exist")
+    before = attend_cpu.set_wide(request.param == "sixteen lanes")
+    yield request.param
+    attend_cpu.set_wide(before)
+
+
+# G from 1 to 16 (blocks of four queries and every remainder), D a multiple of 16 with every
+# remainder of a 64-value pass (16, 48, 80, 128), n with every remainder of a four-row block
+@pytest.mark.parametrize("heads,hkv,dim,n", [(1, 1, 16, 1), (7, 1, 48, 130), (14, 2, 64, 8193), (9, 3, 64, 66),
+                                             (16, 1, 80, 67), (10, 5, 128, 515), (32, 2, 64, 200)])
+def test_sixteen_lane_attention_equals_softmax_attention(lanes, heads, hkv, dim, n):
+    """attend.c's sixteen-lane loops (lanes: scores four queries by four rows, V four queries at a
+    time) and its eight-lane ones give float64 softmax attention, contiguous and over gathered
+    rows, fp32 and fp16 rows, on one and two threads; the two agree to fp32 rounding."""
+    from kernels import attend_cpu
+
+    rng = np.random.default_rng(n)
+    q, k, v = attention_inputs(rng, heads, hkv, dim, n + 5, scale=3.0)
+    idx = np.sort(rng.integers(0, n + 5, (hkv, 131)), axis=1).astype(np.int32)
+    for rows_k, rows_v in ((k, v), (k.astype(np.float16), v.astype(np.float16))):
+        wide_k, wide_v = rows_k.astype(np.float32), rows_v.astype(np.float32)
+        expected = ref_attend(q, wide_k[:, :n], wide_v[:, :n])
+        expected_rows = ref_attend(q, np.take_along_axis(wide_k, idx[..., None].astype(np.int64), 1),
+                                   np.take_along_axis(wide_v, idx[..., None].astype(np.int64), 1))
+        for count in (1, 2):
+            kernels.set_threads(count)
+            try:
+                dense = attend_cpu.attend(q, rows_k, rows_v, n)
+                rows = attend_cpu.gather_attend(q, rows_k, rows_v, idx)
+                other = attend_cpu.set_wide(lanes != "sixteen lanes")
+                try:
+                    dense_other = attend_cpu.attend(q, rows_k, rows_v, n)
+                finally:
+                    attend_cpu.set_wide(other)
+            finally:
+                kernels.set_threads(1)
+            np.testing.assert_allclose(dense, expected, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(rows, expected_rows, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(dense, dense_other, rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
 # Qwen2.5's geometry (G = 7: three query pairs and one single) at 8K; the next three reuse
 # ATTENTION_CASES' compiled numba shapes (D = 24 takes the single query's 8-wide remainder, D = 128
@@ -662,7 +710,7 @@ def test_attend_thread_split_gives_the_same_result(monkeypatch, count):
 @pytest.mark.parametrize("heads,hkv,dim,capacity,n", [(14, 2, 64, 8200, 8193), (9, 3, 64, 700, 130),
                                                       (8, 2, 128, 600, 77), (4, 4, 24, 300, 300),
                                                       (8, 4, 40, 200, 101)])
-def test_c_attention_equals_the_numba_kernel(heads, hkv, dim, capacity, n):
+def test_c_attention_equals_the_numba_kernel(lanes, heads, hkv, dim, capacity, n):
     """kernels/attend.c (where it fits: G <= 16, D a multiple of 8) and the numba kernel compute the
     same attention, contiguous and over gathered rows, on one and two threads."""
     from kernels import attend_cpu
@@ -690,7 +738,7 @@ def test_c_attention_equals_the_numba_kernel(heads, hkv, dim, capacity, n):
 
 @pytest.mark.skipif(not cpu.HAVE_NUMBA, reason="numba not installed")
 @pytest.mark.parametrize("heads,hkv,dim,capacity,n", [(14, 2, 64, 8200, 8193), (8, 4, 40, 200, 101)])
-def test_fp16_rows_give_the_attention_of_their_fp32_values(heads, hkv, dim, capacity, n):
+def test_fp16_rows_give_the_attention_of_their_fp32_values(lanes, heads, hkv, dim, capacity, n):
     """An fp16 cache (EngineConfig.kv_dtype): attend.c widens each row as it loads it, the numba
     fallback widens the rows it reads first; both give exactly the attention over the same
     values stored as fp32, contiguous and gathered, on one and two threads."""
