@@ -1,7 +1,8 @@
 /* Decode-step attention over cached K/V rows, AVX2 (kernels/attend_cpu.py's `attend`,
    `gather_attend` and `remapped_attend`, compiled; built by `make setup` into kernels/_quant.so
    with quant.c). The run over one head's rows is attend_rows.h, included once per row type (fp32,
-   fp16) and mode (as stored; re-positioned past the model's window).
+   fp16) and mode (as stored; re-positioned past the model's window). Built with AVX-512 (-march=native
+   on such a CPU), a tile's scores and V products run sixteen lanes at a time (attend_wide.h).
 
    Shape legend: H query heads, Hkv KV heads, G = H / Hkv (query head h * G + g reads KV head h),
    D head dim (a multiple of 8, at most MAX_DIM), n rows per head (contiguous [0, n) or the rows
