@@ -85,31 +85,13 @@ struct remap {
 static int wide_rows = 1;
 #define WIDE_T float
 #define LOAD16(p) _mm512_loadu_ps(p)
-#define WIDE_SCORES wide_scores_f32
-#define WIDE_SCORES_BLOCK wide_scores_block_f32
-#define WIDE_VALUES wide_values_f32
-#define WIDE_VALUES_BLOCK wide_values_block_f32
+#define WIDE_NAME(name) name##_f32
 #include "attend_wide.h"
-#undef WIDE_T
-#undef LOAD16
-#undef WIDE_SCORES
-#undef WIDE_SCORES_BLOCK
-#undef WIDE_VALUES
-#undef WIDE_VALUES_BLOCK
 #if defined(__F16C__)
 #define WIDE_T uint16_t
 #define LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define WIDE_SCORES wide_scores_f16
-#define WIDE_SCORES_BLOCK wide_scores_block_f16
-#define WIDE_VALUES wide_values_f16
-#define WIDE_VALUES_BLOCK wide_values_block_f16
+#define WIDE_NAME(name) name##_f16
 #include "attend_wide.h"
-#undef WIDE_T
-#undef LOAD16
-#undef WIDE_SCORES
-#undef WIDE_SCORES_BLOCK
-#undef WIDE_VALUES
-#undef WIDE_VALUES_BLOCK
 #endif
 #else
 #define HAVE_WIDE 0

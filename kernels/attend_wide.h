@@ -1,6 +1,7 @@
 /* A tile's scores and its V products sixteen lanes at a time (AVX-512), included by attend.c once
    per row type with WIDE_T (float, or uint16_t fp16 words), LOAD16(p) (sixteen row values at p
-   as fp32) and WIDE_SCORES / WIDE_VALUES (the functions' names) defined. attend_rows.h calls
+   as fp32) and WIDE_NAME(name) (name with the row type's suffix: wide_scores_f32, ...) defined;
+   it undefines them at its end. attend_rows.h calls
    them for a head dim that is a multiple of 16 where attend.c was built with AVX-512F (and
    `attend_set_wide` has not turned them off); otherwise it runs its own eight-lane loops.
 
@@ -48,7 +49,7 @@ static inline void store_scores16(__m512 sums, int query, float *dest, int rows)
 /* scores[g0 + i][j .. j + 3] = qs[g0 + i] . krow[j + r] for the QUERIES (1-4) queries from g0 and
    the tile's n rows, four rows at a time (a last block of fewer rows repeats its last row and
    stores only its own). */
-static inline __attribute__((always_inline)) void WIDE_SCORES_BLOCK(const float *qs, int g0, const int queries,
+static inline __attribute__((always_inline)) void WIDE_NAME(wide_scores_block)(const float *qs, int g0, const int queries,
                                                                       int64_t dim, const WIDE_T **krow, int n,
                                                                       float (*scores)[TILE]) {
     const float *q = qs + (int64_t)g0 * dim;
@@ -74,21 +75,21 @@ static inline __attribute__((always_inline)) void WIDE_SCORES_BLOCK(const float 
 }
 
 /* The tile's scores (G, n) of the scaled queries qs (G, D) over the rows krow[0 .. n). */
-static void WIDE_SCORES(const float *qs, int group, int64_t dim, const WIDE_T **krow, int n,
+static void WIDE_NAME(wide_scores)(const float *qs, int group, int64_t dim, const WIDE_T **krow, int n,
                         float (*scores)[TILE]) {
     int g0 = 0;
-    for (; g0 + 4 <= group; g0 += 4) WIDE_SCORES_BLOCK(qs, g0, 4, dim, krow, n, scores);
+    for (; g0 + 4 <= group; g0 += 4) WIDE_NAME(wide_scores_block)(qs, g0, 4, dim, krow, n, scores);
     switch (group - g0) {
-        case 3: WIDE_SCORES_BLOCK(qs, g0, 3, dim, krow, n, scores); break;
-        case 2: WIDE_SCORES_BLOCK(qs, g0, 2, dim, krow, n, scores); break;
-        case 1: WIDE_SCORES_BLOCK(qs, g0, 1, dim, krow, n, scores); break;
+        case 3: WIDE_NAME(wide_scores_block)(qs, g0, 3, dim, krow, n, scores); break;
+        case 2: WIDE_NAME(wide_scores_block)(qs, g0, 2, dim, krow, n, scores); break;
+        case 1: WIDE_NAME(wide_scores_block)(qs, g0, 1, dim, krow, n, scores); break;
         default: break;
     }
 }
 
 /* acc[g0 + i][c0 .. c0 + 16 * CHUNKS) = that times rescale[g0 + i] + sum over the tile's rows of
    probs[g0 + i][j] * vrow[j][c0 ..], for the QUERIES (1-4) queries from g0, in registers. */
-static inline __attribute__((always_inline)) void WIDE_VALUES_BLOCK(float (*probs)[TILE], const float *rescale,
+static inline __attribute__((always_inline)) void WIDE_NAME(wide_values_block)(float (*probs)[TILE], const float *rescale,
                                                                       int g0, const int queries, int64_t dim,
                                                                       int64_t c0, const int chunks,
                                                                       const WIDE_T **vrow, int n, float *acc) {
@@ -113,17 +114,17 @@ static inline __attribute__((always_inline)) void WIDE_VALUES_BLOCK(float (*prob
 #define WIDE_VALUES_CHUNKS(queries)                                                                    \
     do {                                                                                               \
         int64_t c0 = 0;                                                                                \
-        for (; c0 + 64 <= dim; c0 += 64) WIDE_VALUES_BLOCK(probs, rescale, g0, queries, dim, c0, 4, vrow, n, acc); \
+        for (; c0 + 64 <= dim; c0 += 64) WIDE_NAME(wide_values_block)(probs, rescale, g0, queries, dim, c0, 4, vrow, n, acc); \
         switch ((dim - c0) / 16) {                                                                     \
-            case 3: WIDE_VALUES_BLOCK(probs, rescale, g0, queries, dim, c0, 3, vrow, n, acc); break;   \
-            case 2: WIDE_VALUES_BLOCK(probs, rescale, g0, queries, dim, c0, 2, vrow, n, acc); break;   \
-            case 1: WIDE_VALUES_BLOCK(probs, rescale, g0, queries, dim, c0, 1, vrow, n, acc); break;   \
+            case 3: WIDE_NAME(wide_values_block)(probs, rescale, g0, queries, dim, c0, 3, vrow, n, acc); break;   \
+            case 2: WIDE_NAME(wide_values_block)(probs, rescale, g0, queries, dim, c0, 2, vrow, n, acc); break;   \
+            case 1: WIDE_NAME(wide_values_block)(probs, rescale, g0, queries, dim, c0, 1, vrow, n, acc); break;   \
             default: break;                                                                            \
         }                                                                                              \
     } while (0)
 
 /* acc (G, D) = acc * rescale + probs (G, n) @ the rows vrow[0 .. n), four queries at a time. */
-static void WIDE_VALUES(float (*probs)[TILE], const float *rescale, int group, int64_t dim,
+static void WIDE_NAME(wide_values)(float (*probs)[TILE], const float *rescale, int group, int64_t dim,
                         const WIDE_T **vrow, int n, float *acc) {
     int g0 = 0;
     for (; g0 + 4 <= group; g0 += 4) WIDE_VALUES_CHUNKS(4);
@@ -135,3 +136,6 @@ static void WIDE_VALUES(float (*probs)[TILE], const float *rescale, int group, i
     }
 }
 #undef WIDE_VALUES_CHUNKS
+#undef WIDE_T
+#undef LOAD16
+#undef WIDE_NAME
