@@ -73,6 +73,12 @@ static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, 
         stats[group + g] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)group * (size_t)dim);
+#if HAVE_WIDE
+    const int wide = wide_rows && dim % 16 == 0;  /* attend_wide.h: sixteen lanes, four queries per K load */
+#else
+    const int wide = 0;
+#endif
+    const int eight_from = wide ? group : 0;  /* the eight-lane loops' first query: none after the wide ones */
     for (int64_t t0 = 0; t0 < count; t0 += TILE) {
         int n = count - t0 < TILE ? (int)(count - t0) : TILE;
         for (int j = 0; j < n; j++) {
@@ -93,15 +99,12 @@ static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, 
         }
         int g;
 #if HAVE_WIDE
-        int wide = wide_rows && dim % 16 == 0;  /* attend_wide.h: sixteen lanes, four queries per K load */
         if (wide)
             ROW_SCORES(qs, group, dim, krow, n, scores);
-#else
-        const int wide = 0;
 #endif
         /* scores: two queries x four rows per transposing reduction (each K load feeds two
            queries), an odd last query eight rows at a time, the rows past a multiple of 4 one by one */
-        for (g = wide ? group : 0; g + 2 <= group; g += 2) {
+        for (g = eight_from; g + 2 <= group; g += 2) {
             const float *q0 = qs + g * dim, *q1 = q0 + dim;
             int j = 0;
             for (; j + 4 <= n; j += 4) {
@@ -196,7 +199,7 @@ static void ATTEND_RUN(const float *qs, int group, int64_t dim, const ROW_T *k, 
 #endif
         /* V: two queries' output rows 32 values at a time in registers (each V load feeds two
            queries), an odd last query 64 at a time, the rest of D 8 at a time */
-        for (g = wide ? group : 0; g + 2 <= group; g += 2) {
+        for (g = eight_from; g + 2 <= group; g += 2) {
             const float *s0 = scores[g], *s1 = scores[g + 1];
             float *out0 = acc + (int64_t)g * dim, *out1 = out0 + dim;
             __m256 sc0 = _mm256_set1_ps(rescale[g]), sc1 = _mm256_set1_ps(rescale[g + 1]);

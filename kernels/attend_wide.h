@@ -1,9 +1,9 @@
 /* A tile's scores and its V products sixteen lanes at a time (AVX-512), included by attend.c once
    per row type with WIDE_T (float, or uint16_t fp16 words), LOAD16(p) (sixteen row values at p
    as fp32) and WIDE_NAME(name) (name with the row type's suffix: wide_scores_f32, ...) defined;
-   it undefines them at its end. attend_rows.h calls
-   them for a head dim that is a multiple of 16 where attend.c was built with AVX-512F (and
-   `attend_set_wide` has not turned them off); otherwise it runs its own eight-lane loops.
+   it undefines them at its end. attend_rows.h calls them for a head dim that is a multiple of 16
+   where attend.c was built with AVX-512F (and `attend_set_wide` has not turned them off);
+   otherwise it runs its own eight-lane loops.
 
    Why (docs/DECISIONS.md, "Decode attention sixteen lanes at a time"): inside the model's window
    a decode step's attention is bound by arithmetic, not by reading the rows. At 8K rows the
